@@ -1,0 +1,62 @@
+"""The `snapshotter` command: serve (the daemon) and the tools around it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from snapshotter import __version__
+from snapshotter.config import DEFAULT_CONFIG_PATH, Config, load_config
+from snapshotter.errors import SnapshotterError
+
+Command = Callable[[argparse.Namespace], int]
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from snapshotter import daemon
+    from snapshotter.logs import setup_logging
+
+    config = load_config(args.config, required=args.config is not None)
+    overrides: dict[str, object] = {}
+    if args.root is not None:
+        overrides["root"] = str(args.root)
+    if args.address is not None:
+        overrides["address"] = str(args.address)
+    if args.log_level is not None:
+        overrides["log_level"] = args.log_level
+    config = config.replace(**overrides) if overrides else config
+    setup_logging(config.log_level, config.log_format)
+    return daemon.run(config)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="snapshotter", description="A lazy-pulling containerd snapshotter.")
+    parser.add_argument("--version", action="version", version=f"snapshotter {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the daemon (containerd proxy plugin 'lazy')")
+    serve.add_argument("--root", type=Path, help=f"state directory (default {Config.root})")
+    serve.add_argument("--address", type=Path, help=f"gRPC unix socket (default {Config.address})")
+    serve.add_argument("--config", type=Path, help=f"TOML config file (default {DEFAULT_CONFIG_PATH} if present)")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(func=_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Command = args.func
+    try:
+        return func(args)
+    except SnapshotterError as exc:
+        print(f"snapshotter {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""The daemon's configuration: a TOML file, defaults, and command-line overrides.
+
+Every key is declared once in `SCHEMA` (section, key, type, default, doc). `load_config` reads a
+file, rejects unknown keys and wrong types with a ConfigError that names the file, the line and
+the key, and returns a frozen `Config`. `config/config.toml` documents the same keys and a test
+checks the two agree.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from snapshotter.errors import ConfigError
+
+DEFAULT_CONFIG_PATH = Path("/etc/snapshotter/config.toml")
+DEFAULT_ROOT = Path("/var/lib/snapshotter")
+DEFAULT_ADDRESS = Path("/run/snapshotter/snapshotter.sock")
+
+
+@dataclass(frozen=True)
+class RegistryConfig:
+    config_path: str = field(default="", metadata={"doc": "directory of containerd-style HOST/hosts.toml files"})
+    docker_config: str = field(default="", metadata={
+        "doc": "docker config.json with credentials ('' = ~/.docker/config.json)"})
+    request_timeout: float = field(default=30.0, metadata={"doc": "seconds for one registry request"})
+    retries: int = field(default=3, metadata={"doc": "retries of a failed registry request (5xx, reset)"})
+    max_parallel: int = field(default=8, metadata={"doc": "concurrent requests per registry host"})
+    max_merge_bytes: int = field(default=8 << 20, metadata={"doc": "merge adjacent chunk ranges up to this many bytes"})
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    max_bytes: int = field(default=50 << 30, metadata={"doc": "hard cap of the on-disk chunk cache in bytes"})
+    max_inflight_bytes: int = field(default=256 << 20, metadata={"doc": "cap on chunk bytes being fetched at once"})
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    max_toc_bytes: int = field(default=256 << 20, metadata={"doc": "largest eStargz/zstd:chunked TOC accepted"})
+    max_bootstrap_bytes: int = field(default=1 << 30, metadata={"doc": "largest Nydus bootstrap accepted"})
+
+
+@dataclass(frozen=True)
+class Config:
+    root: str = field(default=str(DEFAULT_ROOT), metadata={"doc": "state directory (metadata, snapshots, cache)"})
+    address: str = field(default=str(DEFAULT_ADDRESS), metadata={"doc": "unix socket containerd connects to"})
+    log_level: str = field(default="info", metadata={"doc": "debug, info, warning or error"})
+    log_format: str = field(default="text", metadata={"doc": "text (key=value) or json"})
+    metrics_address: str = field(default="", metadata={"doc": "host:port for Prometheus /metrics ('' = off)"})
+    resolve_timeout: float = field(default=30.0, metadata={
+        "doc": "seconds to resolve a lazy layer before falling back"})
+    fetch_timeout: float = field(default=60.0, metadata={"doc": "seconds a read waits for a chunk before EIO"})
+    prefetch_timeout: float = field(default=10.0, metadata={"doc": "seconds container start waits for prefetch"})
+    registry: RegistryConfig = field(default_factory=RegistryConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+
+    def replace(self, **changes: Any) -> Config:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return Config(**values)
+
+
+_SECTIONS: dict[str, type] = {"registry": RegistryConfig, "cache": CacheConfig, "limits": LimitsConfig}
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _line_of(text: str, section: str | None, key: str) -> int | None:
+    """Best-effort line number of `key` (inside `[section]` when given) in TOML `text`."""
+    current: str | None = None
+    key_re = re.compile(rf'^\s*("{re.escape(key)}"|{re.escape(key)})\s*=')
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        header = re.match(r"^\s*\[\s*([^\]]+?)\s*\]", line)
+        if header:
+            current = header.group(1).strip('"')
+            if section is None and current == key:
+                return lineno
+            continue
+        if current == section and key_re.match(line):
+            return lineno
+    return None
+
+
+def _check_value(path: str, key: str, section: str | None, text: str, value: Any, expected: type) -> Any:
+    def fail(msg: str) -> ConfigError:
+        line = _line_of(text, section, key)
+        where = f"{path} line {line}" if line else path
+        dotted = f"{section}.{key}" if section else key
+        return ConfigError(f"{where}: key '{dotted}': {msg}")
+
+    if expected is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise fail(f"expected a number, got {type(value).__name__} {value!r}")
+        if value < 0:
+            raise fail(f"must not be negative, got {value!r}")
+        return float(value)
+    if expected is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise fail(f"expected an integer, got {type(value).__name__} {value!r}")
+        if value < 0:
+            raise fail(f"must not be negative, got {value!r}")
+        return value
+    if expected is str:
+        if not isinstance(value, str):
+            raise fail(f"expected a string, got {type(value).__name__} {value!r}")
+        if key == "log_level" and value not in _LOG_LEVELS:
+            raise fail(f"must be one of {', '.join(_LOG_LEVELS)}, got {value!r}")
+        if key == "log_format" and value not in ("text", "json"):
+            raise fail(f"must be 'text' or 'json', got {value!r}")
+        return value
+    raise AssertionError(expected)
+
+
+def _build(cls: type, data: dict[str, Any], *, path: str, text: str, section: str | None) -> Any:
+    known = {f.name: f for f in fields(cls)}
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in known:
+            line = _line_of(text, section, key)
+            where = f"{path} line {line}" if line else path
+            dotted = f"{section}.{key}" if section else key
+            valid = ", ".join(sorted(known))
+            raise ConfigError(f"{where}: unknown key '{dotted}' (valid keys here: {valid})")
+        ftype = known[key].type
+        if section is None and key in _SECTIONS:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{path}: key '{key}' must be a table [{key}]")
+            values[key] = _build(_SECTIONS[key], value, path=path, text=text, section=key)
+            continue
+        expected = {"str": str, "int": int, "float": float}[ftype if isinstance(ftype, str) else ftype.__name__]
+        values[key] = _check_value(path, key, section, text, value, expected)
+    return cls(**values)
+
+
+def parse_config(text: str, *, path: str = "<config>") -> Config:
+    """Parse TOML text into a Config; ConfigError names `path`, the line and the key."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    config: Config = _build(Config, data, path=path, text=text, section=None)
+    return config
+
+
+def load_config(path: Path | None, *, required: bool = False) -> Config:
+    """Read `path` (default /etc/snapshotter/config.toml). A missing default file gives defaults;
+    a missing file named explicitly (`required`) is an error."""
+    target = path or DEFAULT_CONFIG_PATH
+    try:
+        text = target.read_text()
+    except FileNotFoundError:
+        if required:
+            raise ConfigError(f"{target}: config file does not exist") from None
+        return Config()
+    except OSError as exc:
+        raise ConfigError(f"{target}: cannot read config file: {exc.strerror}") from None
+    return parse_config(text, path=str(target))
+
+
+def schema_keys() -> dict[str, str]:
+    """Every config key as 'key' or 'section.key' -> its doc string (for docs and tests)."""
+    out: dict[str, str] = {}
+    for f in fields(Config):
+        if f.name in _SECTIONS:
+            for sf in fields(_SECTIONS[f.name]):
+                out[f"{f.name}.{sf.name}"] = sf.metadata["doc"]
+        else:
+            out[f.name] = f.metadata["doc"]
+    return out

@@ -1,0 +1,143 @@
+"""The daemon: wires config, the snapshotter and the gRPC server, and runs until a signal.
+
+Socket rules: the socket's directory is created 0700, the socket is 0660, a stale socket left by
+a dead daemon is replaced, and a socket a live daemon still answers on is left alone (start-up
+fails with a message naming it). SIGTERM and SIGINT stop the server gracefully.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import stat
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from snapshotter.config import Config
+from snapshotter.errors import SnapshotterError
+from snapshotter.grpcapi import SnapshotsServicer, add_to_server
+from snapshotter.snapshots.service import Snapshotter
+
+log = logging.getLogger(__name__)
+
+GRACE_SECONDS = 5.0
+
+
+class StartupError(SnapshotterError):
+    """The daemon cannot start (socket in use, root unusable)."""
+
+
+def _socket_is_live(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(str(path))
+        except OSError:
+            return False
+        return True
+
+
+def prepare_socket_path(path: Path) -> None:
+    """Create the socket's directory (0700) and remove a stale socket; refuse a live one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(path.parent, 0o700)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise StartupError(f"{path} exists and is not a socket; remove it or choose another --address")
+    if _socket_is_live(path):
+        raise StartupError(f"another process is serving {path}; stop it or choose another --address")
+    os.unlink(path)
+    log.info("event=stale_socket_removed path=%s", path)
+
+
+def notify_systemd(message: str) -> None:
+    """sd_notify(3) without libsystemd: a datagram to $NOTIFY_SOCKET, if set."""
+    target = os.environ.get("NOTIFY_SOCKET")
+    if not target:
+        return
+    if target.startswith("@"):
+        target = "\0" + target[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        try:
+            s.sendto(message.encode(), target)
+        except OSError as exc:
+            log.warning("event=sd_notify_failed error=%s", exc)
+
+
+@dataclass
+class Daemon:
+    """A running daemon: call `start()`, then `wait()` or `stop()`."""
+
+    config: Config
+    server: grpc.Server | None = None
+    snapshotter: Snapshotter | None = None
+    _owns_socket: bool = False
+
+    def start(self) -> None:
+        root = Path(self.config.root)
+        address = Path(self.config.address)
+        prepare_socket_path(address)
+        root.mkdir(parents=True, exist_ok=True)
+        self.snapshotter = Snapshotter(root)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpc"),
+                                  options=[("grpc.max_receive_message_length", 16 << 20)])
+        add_to_server(SnapshotsServicer(self.snapshotter), self.server)
+        old_umask = os.umask(0o117)
+        try:
+            if self.server.add_insecure_port(f"unix://{address}") == 0:
+                raise StartupError(f"cannot listen on {address}")
+            self.server.start()
+        finally:
+            os.umask(old_umask)
+        self._owns_socket = True
+        os.chmod(address, 0o660)
+        log.info("event=serving address=%s root=%s pid=%d", address, root, os.getpid())
+        notify_systemd("READY=1")
+
+    def stop(self) -> None:
+        notify_systemd("STOPPING=1")
+        if self.server is not None:
+            self.server.stop(GRACE_SECONDS).wait(GRACE_SECONDS + 1)
+            self.server = None
+        if self.snapshotter is not None:
+            self.snapshotter.close()
+            self.snapshotter = None
+        if self._owns_socket:  # never remove a socket another daemon serves
+            self._owns_socket = False
+            try:
+                if stat.S_ISSOCK(os.lstat(self.config.address).st_mode):
+                    os.unlink(self.config.address)
+            except FileNotFoundError:
+                pass
+        log.info("event=stopped")
+
+
+def run(config: Config) -> int:
+    """Serve until SIGTERM/SIGINT; return the process exit code."""
+    stop = threading.Event()
+    received: list[int] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        received.append(signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    daemon = Daemon(config)
+    try:
+        daemon.start()
+        while not stop.wait(3600):
+            pass
+        log.info("event=signal signal=%s", signal.Signals(received[0]).name if received else "?")
+    finally:
+        daemon.stop()
+    return 0

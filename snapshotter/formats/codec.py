@@ -1,0 +1,93 @@
+"""Decompress one chunk's blob bytes into the file bytes it holds. Pure, bounded.
+
+`decompress_chunk(chunk, data)` takes the compressed bytes `data` = blob[chunk.blob_offset :
+chunk.blob_offset + chunk.blob_size] and returns exactly `chunk.size` bytes: the uncompressed
+stream from `chunk.inner_offset` on. It never produces more than inner_offset + size bytes of
+output (a hostile member cannot blow up memory) and raises FormatError when the data is not
+valid or too short.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import zstandard
+
+from snapshotter.errors import FormatError
+from snapshotter.formats.index import Chunk, Compression
+
+_BLOCK = 1 << 16
+
+
+def _gunzip_prefix(data: bytes, want: int) -> bytes:
+    """The first `want` bytes of a gzip stream (which may span several members)."""
+    out = bytearray()
+    pending = data
+    while len(out) < want and pending:
+        d = zlib.decompressobj(wbits=31)
+        try:
+            while len(out) < want:
+                piece = d.decompress(pending, want - len(out))
+                out += piece
+                pending = d.unconsumed_tail
+                if d.eof or (not piece and not pending):
+                    break
+        except zlib.error as exc:
+            raise FormatError(f"gzip data is corrupt: {exc}") from None
+        if not d.eof:
+            break
+        pending = d.unused_data
+    return bytes(out)
+
+
+def _unzstd_prefix(data: bytes, want: int) -> bytes:
+    """The first `want` bytes of a zstd stream (frames concatenated; skippable frames allowed)."""
+    out = bytearray()
+    pending = data
+    try:
+        while len(out) < want and pending:
+            d = zstandard.ZstdDecompressor().decompressobj()
+            view = memoryview(pending)
+            pos = 0
+            while len(out) < want and pos < len(view) and not d.eof:
+                # Feed small slices so output stays bounded by roughly want + one block.
+                out += d.decompress(view[pos:pos + _BLOCK].tobytes())
+                pos += _BLOCK
+            if not d.eof:
+                break
+            pending = d.unused_data + view[pos:].tobytes()
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"zstd data is corrupt: {exc}") from None
+    return bytes(out[:want])
+
+
+def decompress_prefix(compression: Compression, data: bytes, want: int) -> bytes:
+    """Up to `want` bytes of the uncompressed stream that `data` starts."""
+    if compression is Compression.NONE:
+        return data[:want]
+    if compression is Compression.GZIP:
+        return _gunzip_prefix(data, want)
+    if compression is Compression.ZSTD:
+        return _unzstd_prefix(data, want)
+    if compression is Compression.LZ4_BLOCK:
+        from snapshotter.formats.lz4block import decompress_block
+
+        return decompress_block(data, max_output=want)[:want]
+    raise FormatError(f"unsupported compression {compression}")
+
+
+def decompress_chunk(chunk: Chunk, data: bytes) -> bytes:
+    """The chunk's `size` file bytes from its compressed blob range `data`.
+
+    A `zeros` chunk is all zeros by definition; `data` is not looked at (it may be empty).
+    """
+    if chunk.zeros:
+        return bytes(chunk.size)
+    want = chunk.inner_offset + chunk.size
+    plain = decompress_prefix(chunk.compression, data, want)
+    if len(plain) < want:
+        raise FormatError(
+            f"chunk at blob offset {chunk.blob_offset} ({chunk.compression.value}) decompressed to "
+            f"{len(plain)} bytes, expected at least {want}"
+        )
+    return plain[chunk.inner_offset:want]

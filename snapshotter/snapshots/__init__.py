@@ -1,0 +1,1 @@
+"""Snapshot metadata, mount computation and the snapshotter service (containerd semantics)."""
