@@ -1,0 +1,687 @@
+"""The registry client: manifests, blob sizes and byte ranges over HTTP(S), with mirrors.
+
+Contracts:
+- Every failure leaves as `RegistryError` (a `snapshotter.errors.FetchError`) whose message
+  names the registry, the repository, the digest (or tag) and, for reads, the byte range.
+  httpx exceptions never escape.
+- Retried (with exponential backoff, `FetchConfig.retries` times): 5xx, 408, 429, connection
+  and protocol errors, timeouts, short bodies and Content-Range answers that do not match
+  the request. Not retried: 404 and other 4xx; a 401 is retried once after re-authenticating.
+  Each retry logs a warning with the same context as the error.
+- Hosts come from hosts.toml (`hosts.load_hosts`): mirrors in order, then the origin. A round
+  tries each host that has the needed capability; a mirror that fails at the connection level
+  is skipped for `mirror_cooldown` seconds. Which host served is logged at INFO when it changes.
+- Redirects (to blob storage) are followed by hand; Authorization and hosts.toml headers are
+  only ever sent to the configured host, never to another scheme/host/port. A 401/403 from a
+  redirect target (an expired pre-signed URL) is retried through the registry.
+- Range answers: 206 with a Content-Range that covers the request (sliced), 206
+  multipart/byteranges for multi-range requests, or 200 with the whole blob (a server that
+  ignores Range, e.g. a pull-through cache's first fetch: streamed, sliced, rest dropped).
+  A server that does not answer multi-range requests with multipart is remembered and gets
+  single-range requests from then on.
+- Concurrency: at most `max_parallel_per_registry` requests per contacted host, at most
+  `max_inflight_bytes` of range bytes requested at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+from urllib.parse import urljoin, urlsplit
+
+import httpx
+import trio
+
+from snapshotter.errors import FetchError
+from snapshotter.fetch.auth import AuthError, Authorizer, CredentialStore
+from snapshotter.fetch.config import FetchConfig
+from snapshotter.fetch.hosts import PULL, RESOLVE, RegistryHost, load_hosts
+from snapshotter.fetch.ranges import (
+    ByteRange,
+    RangeError,
+    Span,
+    group_spans,
+    multipart_boundary,
+    parse_content_range,
+    parse_multipart_byteranges,
+    plan_spans,
+    range_header,
+)
+from snapshotter.fetch.reference import Reference, parse_reference
+
+log = logging.getLogger("snapshotter.fetch")
+
+T = TypeVar("T")
+
+MANIFEST_MEDIA_TYPES = (
+    "application/vnd.oci.image.index.v1+json",
+    "application/vnd.oci.image.manifest.v1+json",
+    "application/vnd.docker.distribution.manifest.list.v2+json",
+    "application/vnd.docker.distribution.manifest.v2+json",
+)
+MAX_REDIRECTS = 5
+_MULTIPART_OVERHEAD = 256  # bytes of part headers we allow per part
+
+
+class BlobPiece(Protocol):
+    """What `read_chunks` needs of a chunk (formats.index.Chunk fits; fetch does not import it)."""
+
+    @property
+    def blob_offset(self) -> int: ...
+
+    @property
+    def blob_size(self) -> int: ...
+
+
+class RegistryError(FetchError):
+    """A registry request failed. `status` is the last HTTP status seen, if any."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _AttemptError(Exception):
+    """One attempt failed; `retryable` says whether another attempt may help."""
+
+    def __init__(self, reason: str, *, retryable: bool, status: int | None = None,
+                 connection: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.retryable = retryable
+        self.status = status
+        self.connection = connection
+
+
+class _NoMultiRange(Exception):
+    """The server answered a multi-range request without multipart; use single ranges."""
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    """An OCI descriptor as far as the data path needs it."""
+
+    media_type: str
+    digest: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A manifest or index as the registry served it; `content` hashes to `descriptor.digest`."""
+
+    descriptor: Descriptor
+    content: bytes
+
+    def json(self) -> Any:
+        """The parsed JSON; raises FetchError (not ValueError) for content that is not JSON."""
+        try:
+            return json.loads(self.content)
+        except ValueError as e:
+            raise FetchError(f"manifest {self.descriptor.digest} is not JSON: {e}") from e
+
+
+@dataclass
+class FetchStatistics:
+    """Counters since the client was made (a snapshot is `dataclasses.replace(stats)`)."""
+
+    requests: int = 0
+    range_requests: int = 0
+    multi_range_requests: int = 0
+    retries: int = 0
+    bytes_received: int = 0
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    """What an error message names."""
+
+    ref: Reference
+    what: str  # "manifest" / "blob"
+    obj: str  # digest or tag
+    byte_range: str = ""
+
+    def describe(self, host: RegistryHost | None = None) -> str:
+        reg = self.ref.registry
+        if host is not None and host.host != reg:
+            reg = f"{host.host} ({'mirror' if host.is_mirror else 'server'} for {self.ref.registry})"
+        out = f"registry {reg}, repository {self.ref.repository}, {self.what} {self.obj}"
+        if self.byte_range:
+            out += f", range {self.byte_range}"
+        return out
+
+
+class _ByteBudget:
+    """Bounds bytes in flight; a request bigger than the cap runs when nothing else does."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.used = 0
+        self._changed = trio.Event()
+
+    @asynccontextmanager
+    async def hold(self, n: int) -> AsyncIterator[None]:
+        while self.used and self.used + n > self.cap:
+            await self._changed.wait()
+        self.used += n
+        try:
+            yield
+        finally:
+            self.used -= n
+            self._changed.set()
+            self._changed = trio.Event()
+
+
+def _origin(url: str | httpx.URL) -> tuple[str, str, int | None]:
+    u = httpx.URL(str(url))
+    port = u.port or (443 if u.scheme == "https" else 80)
+    return (u.scheme, u.host, port)
+
+
+def _exc_text(exc: BaseException) -> str:
+    """A readable cause for a transport error: httpx often wraps the real one (an SSL
+    verification failure, ECONNREFUSED) in exceptions with empty messages."""
+    seen: list[str] = []
+    x: BaseException | None = exc
+    for _ in range(6):
+        if x is None:
+            break
+        text = str(x).strip()
+        if text and not any(text in s for s in seen):
+            seen.append(text)
+        if isinstance(x, BaseExceptionGroup) and x.exceptions:
+            x = x.exceptions[0]
+        else:
+            x = x.__cause__ or x.__context__
+    return f"{type(exc).__name__}: {'; '.join(seen) or 'no detail'}"
+
+
+def _as_ref(ref: Reference | str) -> Reference:
+    return parse_reference(ref) if isinstance(ref, str) else ref
+
+
+def _digest_of(data: bytes, algo: str) -> str | None:
+    if algo not in ("sha256", "sha384", "sha512"):
+        return None
+    return f"{algo}:{hashlib.new(algo, data).hexdigest()}"
+
+
+class RegistryClient:
+    """Async (trio) OCI distribution client. Use as `async with RegistryClient(cfg) as c:`."""
+
+    def __init__(self, config: FetchConfig | None = None, *,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.config = config or FetchConfig()
+        self._transport = transport
+        self._clients: dict[tuple[object, ...], httpx.AsyncClient] = {}
+        self._hosts: dict[str, tuple[RegistryHost, ...]] = {}
+        self._limiters: dict[str, trio.CapacityLimiter] = {}
+        self._budget = _ByteBudget(self.config.max_inflight_bytes)
+        self._plain_http: set[str] = set()
+        self._no_multirange: set[str] = set()
+        self._mirror_down_until: dict[str, float] = {}
+        self._served_by: dict[tuple[str, str], str] = {}
+        self.authorizer = Authorizer(CredentialStore(self.config.docker_config),
+                                     expiry_margin=self.config.token_expiry_margin,
+                                     user_agent=self.config.user_agent)
+        self.stats = FetchStatistics()
+
+    async def __aenter__(self) -> RegistryClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
+            with trio.CancelScope(shield=True):
+                await c.aclose()
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def hosts(self, registry: str) -> tuple[RegistryHost, ...]:
+        """Endpoints for `registry` (hosts.toml read once per client; ConfigError if broken)."""
+        if registry not in self._hosts:
+            self._hosts[registry] = load_hosts(self.config.hosts_config_path, registry)
+        return self._hosts[registry]
+
+    async def resolve(self, ref: Reference | str) -> Descriptor:
+        """Descriptor of the manifest or index `ref` names (HEAD; GET when HEAD says too little)."""
+        r = _as_ref(ref)
+        ctx = _Ctx(r, "manifest", r.object)
+
+        async def on_head(resp: httpx.Response, host: RegistryHost) -> Descriptor | None:
+            self._check_status(resp, ctx)
+            digest = resp.headers.get("Docker-Content-Digest") or r.digest
+            length = resp.headers.get("Content-Length")
+            if not digest or length is None:
+                return None
+            if r.digest and digest != r.digest:
+                raise _AttemptError(f"registry says digest {digest}, reference says {r.digest}",
+                                    retryable=False)
+            mt = resp.headers.get("Content-Type", "").split(";")[0].strip()
+            return Descriptor(mt, digest, int(length))
+
+        desc = await self._request(ctx, "HEAD", RESOLVE, {"Accept": self._accept()}, on_head)
+        if desc is not None:
+            return desc
+        return (await self.fetch_manifest(r)).descriptor
+
+    async def fetch_manifest(self, ref: Reference | str, descriptor: Descriptor | None = None) -> Manifest:
+        """GET the manifest (by `descriptor.digest`, else the reference's digest, else its tag).
+
+        Content must hash to the digest when one is known, and stay within max_manifest_bytes.
+        """
+        r = _as_ref(ref)
+        want = descriptor.digest if descriptor else r.digest
+        if want and want != r.digest:
+            r = r.with_digest(want)
+        ctx = _Ctx(r, "manifest", r.object)
+        cap = self.config.max_manifest_bytes
+
+        async def on_get(resp: httpx.Response, host: RegistryHost) -> Manifest:
+            self._check_status(resp, ctx)
+            data = await self._read_body(resp, cap, ctx, exact=None)
+            # By tag, the registry's Docker-Content-Digest is the only check there is.
+            expected = want or resp.headers.get("Docker-Content-Digest")
+            algo = (expected or "sha256:").split(":")[0]
+            actual = _digest_of(data, algo) or _digest_of(data, "sha256")
+            assert actual is not None
+            if expected and actual != expected:
+                raise _AttemptError(f"manifest content hashes to {actual}, expected {expected}", retryable=True)
+            mt = resp.headers.get("Content-Type", "").split(";")[0].strip()
+            if descriptor and descriptor.media_type:
+                mt = mt or descriptor.media_type
+            return Manifest(Descriptor(mt, want or actual, len(data)), data)
+
+        cap_kind = PULL if r.digest else RESOLVE
+        return await self._request(ctx, "GET", cap_kind, {"Accept": self._accept()}, on_get)
+
+    async def blob_size(self, repo: Reference | str, digest: str) -> int:
+        """Size of blob `digest` in `repo` (HEAD Content-Length)."""
+        r = _as_ref(repo)
+        ctx = _Ctx(r, "blob", digest)
+
+        async def on_head(resp: httpx.Response, host: RegistryHost) -> int:
+            self._check_status(resp, ctx)
+            length = resp.headers.get("Content-Length")
+            if length is None or not length.isdigit():
+                raise _AttemptError("HEAD answer has no Content-Length", retryable=True)
+            return int(length)
+
+        return await self._request(ctx, "HEAD", PULL, {}, on_head)
+
+    async def read_range(self, repo: Reference | str, digest: str, offset: int, length: int) -> bytes:
+        """Bytes [offset, offset+length) of blob `digest`; exactly `length` bytes or an error."""
+        if offset < 0 or length < 0:
+            raise ValueError(f"bad range {offset}+{length}")
+        if length == 0:
+            return b""
+        r = _as_ref(repo)
+        br = ByteRange(offset, offset + length)
+        async with self._budget.hold(length):
+            return await self._read_single(r, digest, br)
+
+    async def read_ranges(self, repo: Reference | str, digest: str,
+                          ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """Bytes of each (offset, length) in `ranges`, in the given order.
+
+        Nearby ranges are merged (plan_spans), spans are grouped into multi-range requests
+        (falling back to single ranges), and groups run in parallel within the limits.
+        """
+        r = _as_ref(repo)
+        cfg = self.config
+        spans = plan_spans(ranges, max_bytes=cfg.max_merge_bytes, max_gap=cfg.max_merge_gap)
+        groups = group_spans(spans, max_ranges=cfg.max_ranges_per_request, max_bytes=cfg.max_merge_bytes)
+        span_data: dict[ByteRange, bytes] = {}
+
+        async def run_group(group: list[Span]) -> None:
+            nbytes = sum(s.range.length for s in group)
+            async with self._budget.hold(nbytes):
+                got = await self._read_group(r, digest, [s.range for s in group])
+            span_data.update(zip([s.range for s in group], got, strict=True))
+
+        async with trio.open_nursery() as nursery:
+            for group in groups:
+                nursery.start_soon(run_group, group)
+        out: list[bytes] = [b""] * len(ranges)
+        for span in spans:
+            data = span_data[span.range]
+            for i in span.members:
+                off, n = ranges[i]
+                start = off - span.range.start
+                out[i] = data[start:start + n]
+        return out
+
+    async def read_chunks(self, repo: Reference | str, digest: str, chunks: Sequence[BlobPiece]) -> list[bytes]:
+        """Compressed bytes of each chunk (its blob_offset/blob_size) of blob `digest`."""
+        return await self.read_ranges(repo, digest, [(c.blob_offset, c.blob_size) for c in chunks])
+
+    # ---- ranges -----------------------------------------------------------------------------
+
+    async def _read_group(self, r: Reference, digest: str, brs: list[ByteRange]) -> list[bytes]:
+        if len(brs) > 1:
+            hosts = [h.host for h in self.hosts(r.registry)]
+            if not all(h in self._no_multirange for h in hosts):
+                try:
+                    return await self._read_multi(r, digest, brs)
+                except _NoMultiRange:
+                    pass
+        out: list[bytes] = [b""] * len(brs)
+
+        async def one(i: int) -> None:
+            out[i] = await self._read_single(r, digest, brs[i])
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(brs)):
+                nursery.start_soon(one, i)
+        return out
+
+    async def _read_single(self, r: Reference, digest: str, br: ByteRange) -> bytes:
+        ctx = _Ctx(r, "blob", digest, str(br))
+
+        async def on_get(resp: httpx.Response, host: RegistryHost) -> bytes:
+            self.stats.range_requests += 1
+            if resp.status_code == 200:
+                return await self._slice_full_body(resp, br, ctx, host)
+            if resp.status_code == 416:
+                cr = resp.headers.get("Content-Range")
+                raise _AttemptError(f"range not satisfiable (Content-Range {cr})", retryable=False,
+                                    status=416)
+            self._check_status(resp, ctx)
+            if resp.status_code != 206:
+                raise _AttemptError(f"unexpected status {resp.status_code} for a range request",
+                                    retryable=True, status=resp.status_code)
+            got, total = self._content_range(resp)
+            self._check_covers(got, total, [br])
+            data = await self._read_body(resp, got.length, ctx, exact=got.length)
+            start = br.start - got.start
+            return data[start:start + br.length]
+
+        return await self._request(ctx, "GET", PULL, {"Range": range_header([br])}, on_get)
+
+    async def _read_multi(self, r: Reference, digest: str, brs: list[ByteRange]) -> list[bytes]:
+        ctx = _Ctx(r, "blob", digest, ",".join(b.header_spec() for b in brs))
+        total_len = sum(b.length for b in brs)
+
+        async def on_get(resp: httpx.Response, host: RegistryHost) -> list[bytes]:
+            self.stats.multi_range_requests += 1
+            if resp.status_code == 200:
+                self._mark_no_multirange(host, "answered 200 (whole blob)")
+                raise _NoMultiRange
+            if resp.status_code == 416:
+                raise _AttemptError("range not satisfiable", retryable=False, status=416)
+            self._check_status(resp, ctx)
+            if resp.status_code != 206:
+                raise _AttemptError(f"unexpected status {resp.status_code}", retryable=True,
+                                    status=resp.status_code)
+            try:
+                boundary = multipart_boundary(resp.headers.get("Content-Type", ""))
+            except RangeError as e:
+                raise _AttemptError(str(e), retryable=True) from e
+            if boundary is None:
+                # One Content-Range for everything: a server that coalesced the ranges.
+                got, total = self._content_range(resp)
+                if not (got.start <= brs[0].start and got.end >= brs[-1].end):
+                    self._mark_no_multirange(host, f"answered one range {got} to a multi-range request")
+                    raise _NoMultiRange
+                self._check_covers(got, total, brs)
+                data = await self._read_body(resp, got.length, ctx, exact=got.length)
+                return [data[b.start - got.start:b.end - got.start] for b in brs]
+            body = await self._read_body(resp, total_len + _MULTIPART_OVERHEAD * (len(brs) + 1) + 1024,
+                                         ctx, exact=None)
+            try:
+                parts = parse_multipart_byteranges(body, boundary)
+            except RangeError as e:
+                raise _AttemptError(f"bad multipart/byteranges body: {e}", retryable=True) from e
+            out: list[bytes] = []
+            for b in brs:
+                part = next(((pr, pd) for pr, pd in parts if pr.start <= b.start and pr.end >= b.end), None)
+                if part is None:
+                    raise _AttemptError(f"multipart answer lacks {b}", retryable=True)
+                out.append(part[1][b.start - part[0].start:b.end - part[0].start])
+            return out
+
+        return await self._request(ctx, "GET", PULL, {"Range": range_header(brs)}, on_get)
+
+    def _mark_no_multirange(self, host: RegistryHost, why: str) -> None:
+        if host.host not in self._no_multirange:
+            log.info("registry %s %s; using single-range requests from now on", host.host, why)
+            self._no_multirange.add(host.host)
+
+    @staticmethod
+    def _content_range(resp: httpx.Response) -> tuple[ByteRange, int | None]:
+        value = resp.headers.get("Content-Range")
+        if value is None:
+            raise _AttemptError("206 answer without Content-Range", retryable=True)
+        try:
+            return parse_content_range(value)
+        except RangeError as e:
+            raise _AttemptError(str(e), retryable=True) from e
+
+    @staticmethod
+    def _check_covers(got: ByteRange, total: int | None, want: list[ByteRange]) -> None:
+        if total is not None and want[-1].end > total:
+            raise _AttemptError(f"range ends past the blob's {total} bytes", retryable=False, status=206)
+        if got.start > want[0].start or got.end < want[-1].end:
+            raise _AttemptError(f"wrong Content-Range: got {got}, asked {want[0].start}-{want[-1].end - 1}",
+                                retryable=True)
+
+    async def _slice_full_body(self, resp: httpx.Response, br: ByteRange, ctx: _Ctx,
+                               host: RegistryHost) -> bytes:
+        log.info("%s: server ignored Range and sent the whole blob; slicing it", ctx.describe(host))
+        skipped = 0
+        buf = bytearray()
+        async for piece in resp.aiter_raw():
+            self.stats.bytes_received += len(piece)
+            if skipped < br.start:
+                drop = min(br.start - skipped, len(piece))
+                skipped += drop
+                piece = piece[drop:]
+            buf += piece[:br.length - len(buf)]
+            if len(buf) >= br.length:
+                return bytes(buf)
+        raise _AttemptError(f"short body: whole-blob answer ended after {skipped + len(buf)} bytes",
+                            retryable=True)
+
+    # ---- the request engine -----------------------------------------------------------------
+
+    @staticmethod
+    def _accept() -> str:
+        return ", ".join((*MANIFEST_MEDIA_TYPES, "*/*"))
+
+    def _check_status(self, resp: httpx.Response, ctx: _Ctx) -> None:
+        code = resp.status_code
+        if code in (200, 206):
+            return
+        if code == 404:
+            raise _AttemptError("not found (404)", retryable=False, status=code)
+        if code >= 500 or code in (408, 429):
+            raise _AttemptError(f"server error {code}", retryable=True, status=code)
+        raise _AttemptError(f"unexpected status {code}", retryable=False, status=code)
+
+    async def _read_body(self, resp: httpx.Response, limit: int, ctx: _Ctx, *, exact: int | None) -> bytes:
+        buf = bytearray()
+        async for piece in resp.aiter_raw():
+            self.stats.bytes_received += len(piece)
+            buf += piece
+            if len(buf) > limit:
+                raise _AttemptError(f"body larger than {limit} bytes", retryable=exact is not None)
+        if exact is not None and len(buf) != exact:
+            raise _AttemptError(f"short body: {len(buf)} of {exact} bytes", retryable=True)
+        return bytes(buf)
+
+    def _limiter(self, host: str) -> trio.CapacityLimiter:
+        lim = self._limiters.get(host)
+        if lim is None:
+            lim = self._limiters[host] = trio.CapacityLimiter(self.config.max_parallel_per_registry)
+        return lim
+
+    def _client(self, host: RegistryHost | None) -> httpx.AsyncClient:
+        key = host.tls_key() if host is not None else ("default",)
+        client = self._clients.get(key)
+        if client is not None:
+            return client
+        cfg = self.config
+        verify: ssl.SSLContext | bool = True
+        if host is not None and (host.skip_verify or host.ca or host.client_certs):
+            if host.skip_verify:
+                ctx = ssl.create_default_context()
+                ctx.check_hostname = False
+                ctx.verify_mode = ssl.CERT_NONE
+            else:
+                ctx = ssl.create_default_context()
+                for ca in host.ca:
+                    ctx.load_verify_locations(cafile=str(ca))
+            for cert, keyfile in host.client_certs:
+                ctx.load_cert_chain(str(cert), str(keyfile) if keyfile else None)
+            verify = ctx
+        timeout = httpx.Timeout(connect=cfg.connect_timeout, read=cfg.read_timeout,
+                                write=cfg.read_timeout, pool=cfg.request_timeout)
+        limits = httpx.Limits(max_connections=None,
+                              max_keepalive_connections=cfg.max_parallel_per_registry * 4)
+        kwargs: dict[str, Any] = {}
+        if self._transport is not None:
+            kwargs["transport"] = self._transport
+        client = httpx.AsyncClient(verify=verify, timeout=timeout, limits=limits, follow_redirects=False,
+                                   headers={"User-Agent": cfg.user_agent, "Accept-Encoding": "identity"},
+                                   **kwargs)
+        self._clients[key] = client
+        return client
+
+    def _host_url(self, host: RegistryHost, ctx: _Ctx) -> str:
+        scheme = "http" if host.http_fallback and host.host in self._plain_http else host.scheme
+        url = f"{scheme}://{host.host}{host.path}/{ctx.ref.repository}/{ctx.what}s/{ctx.obj}"
+        if host.is_mirror:
+            url += f"?ns={ctx.ref.registry}"
+        return url
+
+    async def _request(self, ctx: _Ctx, method: str, capability: str, headers: dict[str, str],
+                       handler: Callable[[httpx.Response, RegistryHost], Awaitable[T]]) -> T:
+        cfg = self.config
+        hosts = [h for h in self.hosts(ctx.ref.registry) if capability in h.capabilities]
+        if not hosts:
+            raise RegistryError(f"no host has the {capability!r} capability ({ctx.describe()})")
+        last: tuple[RegistryHost, _AttemptError] | None = None
+        attempts = cfg.retries + 1
+        for attempt in range(attempts):
+            if attempt:
+                delay = min(cfg.backoff_max, cfg.backoff_initial * 2 ** (attempt - 1))
+                await trio.sleep(delay * (0.5 + random.random() / 2))
+            now = trio.current_time()
+            usable = [h for h in hosts if not h.is_mirror or self._mirror_down_until.get(h.host, 0) <= now]
+            usable = usable or hosts
+            any_retryable = False
+            for host in usable:
+                try:
+                    result = await self._attempt(host, ctx, method, headers, handler)
+                except _AttemptError as e:
+                    last = (host, e)
+                    any_retryable |= e.retryable
+                    if host.is_mirror and e.connection:
+                        self._mirror_down_until[host.host] = trio.current_time() + cfg.mirror_cooldown
+                    log.warning("%s: %s (attempt %d/%d)", ctx.describe(host), e.reason, attempt + 1, attempts)
+                    continue
+                self._note_served(ctx, host)
+                return result
+            if not any_retryable:
+                break
+            if attempt + 1 < attempts:
+                self.stats.retries += 1
+        assert last is not None
+        host, err = last
+        raise RegistryError(f"{ctx.describe(host)}: {err.reason}", status=err.status)
+
+    def _note_served(self, ctx: _Ctx, host: RegistryHost) -> None:
+        key = (ctx.ref.registry, ctx.ref.repository)
+        if self._served_by.get(key) != host.host:
+            self._served_by[key] = host.host
+            kind = "mirror" if host.is_mirror else "server"
+            scheme = "http" if host.http_fallback and host.host in self._plain_http else host.scheme
+            log.info("registry %s repository %s served by %s %s://%s%s", ctx.ref.registry,
+                     ctx.ref.repository, kind, scheme, host.host, host.path)
+
+    async def _attempt(self, host: RegistryHost, ctx: _Ctx, method: str, headers: dict[str, str],
+                       handler: Callable[[httpx.Response, RegistryHost], Awaitable[T]]) -> T:
+        self.stats.requests += 1
+        try:
+            async with self._limiter(host.host):
+                with trio.fail_after(self.config.request_timeout):
+                    return await self._send(host, ctx, method, headers, handler)
+        except trio.TooSlowError:
+            raise _AttemptError(f"timed out after {self.config.request_timeout}s", retryable=True) from None
+        except AuthError as e:
+            raise _AttemptError(f"authentication failed: {e}", retryable=e.retryable) from e
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+            raise _AttemptError(f"cannot connect: {_exc_text(e)}", retryable=True, connection=True) from e
+        except httpx.TimeoutException as e:
+            raise _AttemptError(f"timeout: {_exc_text(e)}", retryable=True) from e
+        except httpx.TransportError as e:
+            raise _AttemptError(f"connection failed mid-request: {_exc_text(e)}", retryable=True) from e
+        except httpx.HTTPError as e:
+            raise _AttemptError(f"HTTP error: {_exc_text(e)}", retryable=False) from e
+
+    async def _send(self, host: RegistryHost, ctx: _Ctx, method: str, headers: dict[str, str],
+                    handler: Callable[[httpx.Response, RegistryHost], Awaitable[T]]) -> T:
+        url = self._host_url(host, ctx)
+        scope = f"repository:{ctx.ref.repository}:pull"
+        reauthed = False
+        redirects = 0
+        while True:
+            same_origin = _origin(url) == _origin(self._host_url(host, ctx))
+            client = self._client(host if same_origin else None)
+            req_headers = list(headers.items())
+            auth: str | None = None
+            if same_origin:
+                # hosts.toml headers may carry secrets too: like Authorization, host-only.
+                req_headers += host.header
+                auth = await self.authorizer.authorization(host.host, scope, client)
+                if auth:
+                    req_headers.append(("Authorization", auth))
+            try:
+                resp = await client.send(client.build_request(method, url, headers=req_headers), stream=True)
+            except httpx.ConnectError:
+                if host.http_fallback and same_origin and host.host not in self._plain_http:
+                    log.info("registry %s: no TLS answer; falling back to plain HTTP", host.host)
+                    self._plain_http.add(host.host)
+                    url = self._host_url(host, ctx)
+                    continue
+                raise
+            try:
+                if resp.status_code == 401 and same_origin:
+                    if reauthed:
+                        raise _AttemptError("unauthorized (401) after re-authenticating", retryable=False,
+                                            status=401)
+                    reauthed = True
+                    retry = self.authorizer.on_unauthorized(
+                        host.host, resp.headers.get_list("WWW-Authenticate"), auth)
+                    if retry and await self.authorizer.authorization(host.host, scope, client):
+                        continue
+                    raise _AttemptError("unauthorized (401); no usable credentials", retryable=False,
+                                        status=401)
+                if resp.status_code in (401, 403) and not same_origin:
+                    # Typically an expired pre-signed storage URL: a new attempt gets a fresh one.
+                    raise _AttemptError(f"redirect target {_origin(url)[1]} refused access ({resp.status_code})",
+                                        retryable=True, status=resp.status_code)
+                if resp.status_code == 403:
+                    raise _AttemptError("forbidden (403)", retryable=False, status=403)
+                if resp.status_code in (301, 302, 303, 307, 308) and "Location" in resp.headers:
+                    redirects += 1
+                    if redirects > MAX_REDIRECTS:
+                        raise _AttemptError("too many redirects", retryable=False)
+                    url = urljoin(str(resp.url), resp.headers["Location"])
+                    if urlsplit(url).scheme not in ("http", "https"):
+                        raise _AttemptError(f"redirect to unsupported URL {url!r}", retryable=False)
+                    log.debug("%s: redirected to %s://%s", ctx.describe(host), *_origin(url)[:2])
+                    continue
+                return await handler(resp, host)
+            finally:
+                await resp.aclose()

@@ -1,0 +1,107 @@
+"""Plain pulls against the real distribution registry (no auth, no mirrors)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+
+import pytest
+import trio
+
+from snapshotter.errors import FetchError
+from snapshotter.fetch import RegistryClient, RegistryError, parse_reference
+from snapshotter.formats.index import Chunk, Compression
+from tests.fetch.conftest import FAST
+from tests.fetch.registry import OCI_MANIFEST, PushedImage, RegistryProcess
+
+
+def test_resolve_and_manifest(image: PushedImage, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="snapshotter.fetch")
+
+    async def main() -> None:
+        async with RegistryClient(FAST) as c:
+            desc = await c.resolve(image.ref)
+            assert (desc.digest, desc.size, desc.media_type) == (image.manifest_digest, len(image.manifest),
+                                                                 OCI_MANIFEST)
+            m = await c.fetch_manifest(image.ref)
+            assert m.content == image.manifest and m.descriptor == desc
+            by_digest = await c.fetch_manifest(parse_reference(image.ref).with_digest(desc.digest))
+            assert by_digest.content == image.manifest
+            assert [layer["digest"] for layer in m.json()["layers"]] == list(image.layers)
+            assert (await c.resolve(f"{image.registry}/{image.repository}@{desc.digest}")) == desc
+
+    trio.run(main)
+    # The loopback registry has no TLS: the client fell back to plain HTTP, as containerd does.
+    assert "falling back to plain HTTP" in caplog.text
+    assert f"served by server http://{image.registry}/v2" in caplog.text
+
+
+def test_blob_size_and_ranges(image: PushedImage, big_layer: tuple[str, bytes]) -> None:
+    digest, data = big_layer
+    rnd = random.Random(7)
+    wanted = [(rnd.randrange(len(data) - 5000), rnd.randrange(1, 5000)) for _ in range(40)]
+    wanted += [(0, 1), (len(data) - 1, 1), (100, 50), (150, 50), (120, 10)]
+
+    async def main() -> None:
+        async with RegistryClient(FAST) as c:
+            assert await c.blob_size(image.ref, digest) == len(data)
+            assert await c.read_range(image.ref, digest, 12345, 1000) == data[12345:13345]
+            assert await c.read_range(image.ref, digest, 0, len(data)) == data
+            got = await c.read_ranges(image.ref, digest, wanted)
+            assert got == [data[o:o + n] for o, n in wanted]
+            # The distribution registry (Go http.ServeContent) answers multipart/byteranges.
+            assert c.stats.multi_range_requests >= 1
+            assert c.stats.retries == 0
+            chunks = [Chunk(0, 10, 500, 10, Compression.GZIP, None), Chunk(10, 7, 510, 7, Compression.GZIP, None)]
+            assert await c.read_chunks(image.ref, digest, chunks) == [data[500:510], data[510:517]]
+
+    trio.run(main)
+
+
+def test_merging_cuts_requests(image: PushedImage, big_layer: tuple[str, bytes]) -> None:
+    digest, data = big_layer
+    adjacent = [(i * 1000, 1000) for i in range(64)]
+
+    async def main() -> None:
+        async with RegistryClient(FAST) as c:
+            got = await c.read_ranges(image.ref, digest, adjacent)
+            assert b"".join(got) == data[:64_000]
+            assert c.stats.range_requests + c.stats.multi_range_requests == 1
+
+    trio.run(main)
+
+
+def test_missing_blob_and_manifest(image: PushedImage, origin: RegistryProcess) -> None:
+    missing = "sha256:" + "0" * 64
+
+    async def main() -> None:
+        async with RegistryClient(FAST) as c:
+            with pytest.raises(RegistryError) as ei:
+                await c.read_range(image.ref, missing, 10, 20)
+            msg = str(ei.value)
+            for part in (origin.host, image.repository, missing, "bytes 10-29", "404"):
+                assert part in msg
+            assert ei.value.status == 404
+            assert c.stats.retries == 0
+            with pytest.raises(FetchError, match="manifest nope"):
+                await c.resolve(f"{image.registry}/{image.repository}:nope")
+            with pytest.raises(FetchError, match="range ends past"):
+                digest = next(iter(image.layers))
+                await c.read_range(image.ref, digest, len(image.layers[digest]) - 5, 10)
+
+    trio.run(main)
+
+
+def test_manifest_digest_is_verified(image: PushedImage) -> None:
+    """A digest reference whose content hashes differently is refused (registry cannot lie)."""
+    m = json.loads(image.manifest)
+    assert m["schemaVersion"] == 2
+
+    async def main() -> None:
+        async with RegistryClient(FAST) as c:
+            bad = parse_reference(image.ref).with_digest("sha256:" + "1" * 64)
+            with pytest.raises(FetchError, match="sha256:1111"):
+                await c.fetch_manifest(bad)
+
+    trio.run(main)
