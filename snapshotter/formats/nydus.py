@@ -1,0 +1,523 @@
+"""Nydus RAFS v6 bootstraps: read one into a LayerIndex (`parse_bootstrap`), write one (`write_nydus`).
+
+Reader contract (`parse_bootstrap(data, max_bootstrap_bytes=N)`):
+- format "nydus"; `blobs` = blob ids of the blob table in table order; chunks refer to them by
+  `blob_index`. Each regular file's chunks come from its chunk-index array -> blob table ->
+  chunk info, taken from the bootstrap chunk table or, when given, the blob's CI array
+  (`ci_arrays={blob_index: uncompressed CI bytes}`, see `blob_ci_range`; digests then from
+  `blob_digests` or the chunk table). Chunk digests are
+  "blake3:hex" or "sha256:hex" per the bootstrap's hash flag.
+- the tree is walked from the root nid in dirent order (bytewise sorted): parents before
+  children. A second dirent naming an already seen non-directory nid becomes a HARDLINK entry
+  to the first name. Prefetch nids become names (a directory expands to the regular files
+  under it).
+- hostile input: size capped by max_bootstrap_bytes (LimitExceeded); every offset bounds
+  checked; directory cycles, out-of-range nids, bad names ('', '.', '..', '/' or NUL inside),
+  unknown layouts and inconsistent chunk info raise FormatError. Work is linear in the size
+  of the bootstrap: the total number of dirents and of chunk indexes is capped by what the
+  bootstrap's bytes could honestly hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import posixpath
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from snapshotter.errors import FormatError, LimitExceeded
+from snapshotter.formats import rafs_layout as L
+from snapshotter.formats.index import Chunk, Compression, Entry, EntryType, LayerIndex, check_chunks
+
+__all__ = [
+    "RAFS_MAX_CHUNK_SIZE",
+    "BootstrapInfo",
+    "blob_ci_range",
+    "parse_blob_toc",
+    "TocEntry",
+    "parse_bootstrap",
+    "read_bootstrap_info",
+    "write_nydus",
+    "NydusResult",
+]
+
+RAFS_MAX_CHUNK_SIZE = 16 << 20
+_MAX_BLOBS = 255  # blob_index + 1 must fit the 8-bit device id of a chunk index
+_MAX_SYMLINK = 4096
+_MAX_NAME = 16384  # bytes of a full path; bounds memory on hostile deep trees
+
+
+@dataclass(frozen=True)
+class BootstrapInfo:
+    """The bootstrap's fixed tables, validated: superblocks, blob table, chunk table."""
+
+    sb: L.SuperBlock
+    ext: L.ExtSuperBlock
+    blobs: tuple[L.BlobEntry, ...]
+    chunk_table: tuple[L.ChunkInfo, ...]
+    prefetch_nids: tuple[int, ...]
+
+    @property
+    def block_size(self) -> int:
+        return 1 << self.sb.blkszbits
+
+    @property
+    def digest_algo(self) -> str:
+        return "blake3" if self.ext.flags & L.FLAG_HASH_BLAKE3 else "sha256"
+
+
+def _slice(data: bytes, off: int, size: int, what: str) -> bytes:
+    if off < 0 or size < 0 or off + size > len(data):
+        raise FormatError(f"nydus bootstrap: {what} [{off}, {off + size}) is outside the {len(data)}-byte bootstrap")
+    return data[off:off + size]
+
+
+def _one_flag(flags: int, choices: Mapping[Any, int], what: str) -> None:
+    found = [k for k, bit in choices.items() if flags & bit]
+    if len(found) != 1:
+        raise FormatError(f"nydus bootstrap: flags {flags:#x} must set exactly one {what} bit")
+
+
+def read_bootstrap_info(data: bytes, *, max_bootstrap_bytes: int) -> BootstrapInfo:
+    """Validate the superblocks and read the blob, chunk and prefetch tables."""
+    if len(data) > max_bootstrap_bytes:
+        raise LimitExceeded(f"nydus bootstrap is {len(data)} bytes, more than the {max_bootstrap_bytes}-byte cap")
+    magic, sb = L.unpack_sb(_slice(data, L.SB_OFFSET, 128, "EROFS superblock"))
+    if magic != L.EROFS_MAGIC:
+        raise FormatError(f"nydus bootstrap: bad EROFS magic {magic:#x}")
+    if not sb.feature_compat & L.FEATURE_COMPAT_RAFS_V6:
+        raise FormatError("nydus bootstrap: superblock lacks the RAFS_V6 compat feature")
+    if sb.blkszbits not in (9, 12):
+        raise FormatError(f"nydus bootstrap: unsupported block size bits {sb.blkszbits}")
+    if sb.feature_incompat & ~L.RAFS_V6_INCOMPAT:
+        raise FormatError(f"nydus bootstrap: unsupported incompat features {sb.feature_incompat:#x}")
+    if sb.xattr_blkaddr != 0:
+        raise FormatError("nydus bootstrap: shared xattrs are not supported")
+    if sb.extra_devices > _MAX_BLOBS:
+        raise FormatError(f"nydus bootstrap: {sb.extra_devices} devices, at most {_MAX_BLOBS} supported")
+    ext = L.unpack_ext_sb(_slice(data, L.EXT_SB_OFFSET, 256, "RAFS extended superblock"))
+    _one_flag(ext.flags, L.COMP_FLAGS, "compression")
+    _one_flag(ext.flags, L.HASH_FLAGS, "digest")
+    cs = ext.chunk_size
+    if cs < 4096 or cs > RAFS_MAX_CHUNK_SIZE or cs & (cs - 1):
+        raise FormatError(f"nydus bootstrap: bad chunk size {cs}")
+    if ext.flags & (L.FLAG_TARFS_MODE | 0x0200_0000):
+        raise FormatError("nydus bootstrap: tarfs mode and encrypted images are not supported")
+
+    if ext.blob_table_size % L.BLOB_ENTRY_SIZE:
+        raise FormatError(f"nydus bootstrap: blob table size {ext.blob_table_size} is not a multiple of 256")
+    table = _slice(data, ext.blob_table_offset, ext.blob_table_size, "blob table")
+    n_blobs = len(table) // L.BLOB_ENTRY_SIZE
+    if n_blobs > _MAX_BLOBS:
+        raise FormatError(f"nydus bootstrap: {n_blobs} blobs, at most {_MAX_BLOBS} supported")
+    blobs: list[L.BlobEntry] = []
+    for i in range(n_blobs):
+        raw_id, entry = L.unpack_blob(table[i * 256:(i + 1) * 256])
+        raw_id = raw_id.rstrip(b"\x00")
+        if not raw_id or b"\x00" in raw_id or b"/" in raw_id or not raw_id.isascii() or raw_id in (b".", b".."):
+            raise FormatError(f"nydus bootstrap: blob {i} has an invalid id {raw_id!r}")
+        if entry.blob_index != i:
+            raise FormatError(f"nydus bootstrap: blob table entry {i} claims index {entry.blob_index}")
+        if entry.compression_algo not in L.BLOB_COMPRESSION:
+            raise FormatError(f"nydus bootstrap: blob {i} has unknown compression {entry.compression_algo}")
+        if entry.digest_algo not in L.BLOB_DIGEST:
+            raise FormatError(f"nydus bootstrap: blob {i} has unknown digest algorithm {entry.digest_algo}")
+        if entry.features & (L.BLOB_ZRAN | L.BLOB_BATCH | L.BLOB_ENCRYPTED | L.BLOB_TARFS) or entry.cipher_algo:
+            raise FormatError(f"nydus bootstrap: blob {i} uses unsupported features {entry.features:#x}")
+        blobs.append(_replace_id(entry, raw_id.decode("ascii")))
+
+    if ext.chunk_table_size % L.CHUNK_INFO_SIZE:
+        raise FormatError(f"nydus bootstrap: chunk table size {ext.chunk_table_size} is not a multiple of 80")
+    ct = _slice(data, ext.chunk_table_offset, ext.chunk_table_size, "chunk table")
+    chunk_table = tuple(L.unpack_chunk_info(ct, off) for off in range(0, len(ct), L.CHUNK_INFO_SIZE))
+
+    if ext.prefetch_table_size % 4:
+        raise FormatError(f"nydus bootstrap: prefetch table size {ext.prefetch_table_size} is not a multiple of 4")
+    pt = _slice(data, ext.prefetch_table_offset, ext.prefetch_table_size, "prefetch table")
+    prefetch = tuple(int.from_bytes(pt[i:i + 4], "little") for i in range(0, len(pt), 4))
+    return BootstrapInfo(sb, ext, tuple(blobs), chunk_table, prefetch)
+
+
+def _replace_id(entry: L.BlobEntry, blob_id: str) -> L.BlobEntry:
+    return dataclasses.replace(entry, blob_id=blob_id)
+
+
+def blob_ci_range(entry: L.BlobEntry) -> tuple[int, int]:
+    """(offset, size) in the blob of its compressed CI array; decompress it with `ci_compressor`
+    to `ci_uncompressed_size` bytes and pass it to parse_bootstrap's `ci_arrays`."""
+    return entry.ci_offset, entry.ci_compressed_size
+
+
+@dataclass(frozen=True)
+class TocEntry:
+    """One entry of a blob's "rafs.blob.toc": a named section of the blob."""
+
+    name: str
+    flags: int
+    sha256: bytes
+    compressed_offset: int
+    compressed_size: int
+    uncompressed_size: int
+
+
+def parse_blob_toc(entry: L.BlobEntry, tail: bytes) -> dict[str, TocEntry]:
+    """The ToC of a blob from its last `entry.toc_size` bytes (checked against the blob table's
+    toc digest). Sections: "blob.meta" (CI array), "blob.meta.header", "blob.digest", ..."""
+    if entry.toc_size < 512 or (entry.toc_size - 512) % 128 or len(tail) != entry.toc_size:
+        raise FormatError(f"nydus blob {entry.blob_id}: bad ToC size {entry.toc_size}")
+    if hashlib.sha256(tail).digest() != entry.toc_digest:
+        raise FormatError(f"nydus blob {entry.blob_id}: ToC does not match the bootstrap's ToC digest")
+    out: dict[str, TocEntry] = {}
+    for off in range(0, entry.toc_size - 512, 128):
+        rec = tail[off:off + 128]
+        name = rec[8:24].split(b"\x00", 1)[0].decode("ascii", "replace")
+        out[name] = TocEntry(name, int.from_bytes(rec[0:4], "little"), rec[24:56],
+                             int.from_bytes(rec[56:64], "little"), int.from_bytes(rec[64:72], "little"),
+                             int.from_bytes(rec[72:80], "little"))
+    return out
+
+
+_TYPES = {
+    L.S_IFDIR: EntryType.DIR, L.S_IFREG: EntryType.REG, L.S_IFLNK: EntryType.SYMLINK,
+    L.S_IFCHR: EntryType.CHAR, L.S_IFBLK: EntryType.BLOCK, L.S_IFIFO: EntryType.FIFO,
+}
+
+
+class _Reader:
+    def __init__(self, data: bytes, info: BootstrapInfo, ci_arrays: Mapping[int, bytes] | None,
+                 blob_digests: Mapping[int, bytes] | None) -> None:
+        self.data = data
+        self.info = info
+        self.bs = info.block_size
+        self.meta_base = info.sb.meta_blkaddr * self.bs
+        if self.meta_base >= len(data):
+            raise FormatError(f"nydus bootstrap: metadata block {info.sb.meta_blkaddr} is past the end")
+        self.inodes: dict[int, L.Inode] = {}
+        # Honest bootstraps spend >= 12 bytes per dirent and 8 per chunk index: cap work by that.
+        self.dirent_budget = len(data) // L.DIRENT_SIZE + 2
+        self.chunk_budget = len(data) // L.CHUNK_INDEX_SIZE + 1
+        # Xattr areas and directory/symlink bytes are unique in an honest bootstrap; overlapping
+        # nids or shared blocks in a hostile one could make us re-read them without end.
+        self.byte_budget = len(data) + 8192
+        self.name_budget = (64 << 20) + 16 * len(data)
+        self.xattr_cache: dict[int, Mapping[str, bytes]] = {}
+        self.chunks_by_key: dict[tuple[int, int], L.ChunkInfo] = {}
+        for c in info.chunk_table:
+            self.chunks_by_key.setdefault((c.blob_index, c.index), c)
+        self.ci_arrays = dict(ci_arrays or {})
+        self.blob_digests = dict(blob_digests or {})
+
+    # -- inodes ---------------------------------------------------------------------------------
+    def inode_offset(self, nid: int) -> int:
+        return self.meta_base + nid * L.INODE_SLOT
+
+    def inode(self, nid: int) -> L.Inode:
+        cached = self.inodes.get(nid)
+        if cached is not None:
+            return cached
+        off = self.inode_offset(nid)
+        if nid < 0 or off + L.COMPACT_INODE_SIZE > len(self.data):
+            raise FormatError(f"nydus bootstrap: nid {nid} is outside the bootstrap")
+        fmt = L.inode_format_of(self.data[off:off + 2])
+        if fmt & ~0xF:
+            raise FormatError(f"nydus bootstrap: nid {nid} has unknown inode format bits {fmt:#x}")
+        size = L.EXTENDED_INODE_SIZE if fmt & 1 else L.COMPACT_INODE_SIZE
+        ino = L.unpack_inode(_slice(self.data, off, size, f"inode {nid}"))
+        if ino.layout not in (L.LAYOUT_FLAT_PLAIN, L.LAYOUT_FLAT_INLINE, L.LAYOUT_CHUNK_BASED):
+            raise FormatError(f"nydus bootstrap: nid {nid} has unsupported data layout {ino.layout}")
+        _slice(self.data, off, ino.inode_size + ino.xattr_size, f"xattrs of inode {nid}")
+        self.inodes[nid] = ino
+        return ino
+
+    def _spend(self, n: int, what: str) -> None:
+        self.byte_budget -= n
+        if self.byte_budget < 0:
+            raise FormatError(f"nydus bootstrap: {what} re-reads more bytes than the bootstrap holds")
+
+    def xattrs(self, nid: int, ino: L.Inode) -> Mapping[str, bytes]:
+        if ino.xattr_icount == 0:
+            return MappingProxyType({})
+        cached = self.xattr_cache.get(nid)
+        if cached is not None:
+            return cached
+        self._spend(ino.xattr_size, f"xattrs of inode {nid}")
+        start = self.inode_offset(nid) + ino.inode_size
+        area = _slice(self.data, start, ino.xattr_size, f"xattrs of inode {nid}")
+        if area[4] != 0:
+            raise FormatError(f"nydus bootstrap: inode {nid} uses shared xattrs (unsupported)")
+        out: dict[str, bytes] = {}
+        pos = L.XATTR_IBODY_HEADER
+        while pos + L.XATTR_ENTRY_HEADER <= len(area):
+            name_len, index, value_size = area[pos], area[pos + 1], int.from_bytes(area[pos + 2:pos + 4], "little")
+            if name_len == 0 and index == 0 and value_size == 0:
+                break  # zero padding after the last entry
+            end = pos + L.XATTR_ENTRY_HEADER + name_len + value_size
+            if end > len(area):
+                raise FormatError(f"nydus bootstrap: xattr entry of inode {nid} runs past its area")
+            prefix = L.XATTR_PREFIXES.get(index)
+            if prefix is None:
+                raise FormatError(f"nydus bootstrap: inode {nid} has xattr with unknown name index {index}")
+            suffix = area[pos + 4:pos + 4 + name_len]
+            if b"\x00" in suffix:
+                raise FormatError(f"nydus bootstrap: inode {nid} has an xattr name with a NUL byte")
+            name = prefix + suffix.decode("utf-8", "surrogateescape")
+            out[name] = bytes(area[pos + 4 + name_len:end])
+            pos = (end + 3) & ~3
+        result = MappingProxyType(out)
+        self.xattr_cache[nid] = result
+        return result
+
+    def flat_data(self, nid: int, ino: L.Inode, limit: int) -> bytes:
+        """The bytes of a directory or symlink (FLAT_PLAIN / FLAT_INLINE)."""
+        size = ino.size
+        if size > limit:
+            raise FormatError(f"nydus bootstrap: inode {nid} claims {size} bytes of data, more than {limit}")
+        self._spend(size, f"data of inode {nid}")
+        if ino.layout == L.LAYOUT_FLAT_PLAIN:
+            return _slice(self.data, ino.i_u * self.bs, size, f"data of inode {nid}")
+        if ino.layout == L.LAYOUT_FLAT_INLINE:
+            tail = size % self.bs
+            head = size - tail
+            if tail == 0 and size:
+                # Inline layout with a zero-length tail: every byte lives in full blocks.
+                return _slice(self.data, ino.i_u * self.bs, size, f"data of inode {nid}")
+            body = _slice(self.data, ino.i_u * self.bs, head, f"data of inode {nid}") if head else b""
+            inline_off = self.inode_offset(nid) + ino.inode_size + ino.xattr_size
+            if inline_off % self.bs + tail > self.bs:
+                raise FormatError(f"nydus bootstrap: inline data of inode {nid} crosses a block boundary")
+            return body + _slice(self.data, inline_off, tail, f"inline data of inode {nid}")
+        raise FormatError(f"nydus bootstrap: inode {nid} (mode {ino.mode:o}) has chunk-based layout")
+
+    # -- directories ----------------------------------------------------------------------------
+    def dirents(self, nid: int, ino: L.Inode) -> list[tuple[bytes, int]]:
+        body = self.flat_data(nid, ino, len(self.data))
+        out: list[tuple[bytes, int]] = []
+        for bstart in range(0, len(body), self.bs):
+            block = body[bstart:bstart + self.bs]
+            if len(block) < L.DIRENT_SIZE:
+                raise FormatError(f"nydus bootstrap: directory {nid} has a truncated dirent block")
+            first_nameoff = L.unpack_dirent(block, 0)[1]
+            if first_nameoff % L.DIRENT_SIZE or not L.DIRENT_SIZE <= first_nameoff <= len(block):
+                raise FormatError(f"nydus bootstrap: directory {nid} has bad first name offset {first_nameoff}")
+            n = first_nameoff // L.DIRENT_SIZE
+            self.dirent_budget -= n
+            if self.dirent_budget < 0:
+                raise FormatError("nydus bootstrap: more dirents than the bootstrap can hold (shared dir blocks?)")
+            ents = [L.unpack_dirent(block, i * L.DIRENT_SIZE) for i in range(n)]
+            for i, (child, nameoff, _ft) in enumerate(ents):
+                end = ents[i + 1][1] if i + 1 < n else len(block)
+                if not first_nameoff <= nameoff < end <= len(block):
+                    raise FormatError(f"nydus bootstrap: directory {nid} has bad name offsets")
+                name = block[nameoff:end]
+                if i + 1 == n:
+                    name = name.split(b"\x00", 1)[0]
+                out.append((name, child))
+        return out
+
+    # -- regular files --------------------------------------------------------------------------
+    def chunk_info(self, blob_index: int, ci_index: int) -> L.ChunkInfo:
+        arr = self.ci_arrays.get(blob_index)
+        if arr is not None:
+            blob = self.info.blobs[blob_index]
+            v2 = bool(blob.features & L.BLOB_CHUNK_INFO_V2)
+            width = 24 if v2 else 16
+            if ci_index >= blob.chunk_count or (ci_index + 1) * width > len(arr):
+                raise FormatError(f"nydus bootstrap: chunk {ci_index} is outside blob {blob_index}'s CI array")
+            if v2:
+                uoff, usize, coff, csize, flags = L.decode_ci_v2(arr, ci_index * width)
+                compressed = bool(flags & 1)
+                if flags & ~0x11:
+                    raise FormatError(f"nydus blob {blob_index}: chunk {ci_index} has unsupported flags {flags:#x}")
+            else:
+                uoff, usize, coff, csize = L.decode_ci_v1(arr, ci_index * width)
+                compressed = csize != usize
+            digest = self._ci_digest(blob_index, ci_index)
+            return L.ChunkInfo(digest, blob_index, L.CHUNK_COMPRESSED if compressed else 0, csize, usize,
+                               coff, uoff, 0, ci_index)
+        found = self.chunks_by_key.get((blob_index, ci_index))
+        if found is None:
+            raise FormatError(
+                f"nydus bootstrap: no chunk info for blob {blob_index} chunk {ci_index} in the chunk table "
+                "(pass the blob's CI array)"
+            )
+        return found
+
+    def _ci_digest(self, blob_index: int, ci_index: int) -> bytes:
+        arr = self.blob_digests.get(blob_index)
+        if arr is not None and len(arr) >= (ci_index + 1) * 32:
+            return arr[ci_index * 32:(ci_index + 1) * 32]
+        found = self.chunks_by_key.get((blob_index, ci_index))
+        if found is None:
+            raise FormatError(f"nydus bootstrap: no digest for blob {blob_index} chunk {ci_index}")
+        return found.digest
+
+    def chunks(self, nid: int, ino: L.Inode, name: str) -> tuple[Chunk, ...]:
+        if ino.size == 0:
+            return ()
+        if ino.layout != L.LAYOUT_CHUNK_BASED:
+            raise FormatError(f"nydus bootstrap: file {name!r} has non-chunk layout {ino.layout}")
+        cs = self.info.ext.chunk_size
+        count = -(-ino.size // cs)
+        self.chunk_budget -= count
+        if self.chunk_budget < 0:
+            raise FormatError(f"nydus bootstrap: file {name!r} claims more chunks than the bootstrap can hold")
+        start = self.inode_offset(nid) + ino.inode_size + ino.xattr_size
+        start = (start + 7) & ~7
+        arr = _slice(self.data, start, count * L.CHUNK_INDEX_SIZE, f"chunk indexes of {name!r}")
+        algo = self.info.digest_algo
+        out: list[Chunk] = []
+        for i in range(count):
+            lo, hi, blkaddr = L.unpack_chunk_index(arr, i * L.CHUNK_INDEX_SIZE)
+            dev = hi & 0xFF
+            if dev == 0 or dev > len(self.info.blobs):
+                raise FormatError(f"nydus bootstrap: file {name!r} chunk {i} names device {dev}")
+            blob_index = dev - 1
+            ci_index = ((hi >> 8) << 16) | lo
+            info = self.chunk_info(blob_index, ci_index)
+            want = min(cs, ino.size - i * cs)
+            if info.blob_index != blob_index or info.index != ci_index:
+                raise FormatError(f"nydus bootstrap: file {name!r} chunk {i}: chunk info does not match its index")
+            if info.uncompressed_size != want:
+                raise FormatError(
+                    f"nydus bootstrap: file {name!r} chunk {i} holds {info.uncompressed_size} bytes, expected {want}"
+                )
+            if blkaddr * self.bs != info.uncompressed_offset:
+                raise FormatError(f"nydus bootstrap: file {name!r} chunk {i}: block address disagrees with chunk info")
+            if info.flags & (L.CHUNK_ENCRYPTED | L.CHUNK_BATCH | L.CHUNK_HOLE):
+                raise FormatError(f"nydus bootstrap: file {name!r} chunk {i} has unsupported flags {info.flags:#x}")
+            blob = self.info.blobs[blob_index]
+            compressed = bool(info.flags & L.CHUNK_COMPRESSED)
+            comp = L.BLOB_COMPRESSION[blob.compression_algo] if compressed else Compression.NONE
+            csize = info.compressed_size
+            # A compressed chunk never exceeds its plain size much; a raw one is exactly it. This
+            # keeps a hostile chunk table from making a fetcher pull gigabytes for one chunk.
+            if csize <= 0 or csize > want + 4096 or (not compressed and csize != want):
+                raise FormatError(f"nydus bootstrap: file {name!r} chunk {i} has bad compressed size {csize}")
+            if blob.compressed_size and info.compressed_offset + csize > blob.compressed_size:
+                raise FormatError(f"nydus bootstrap: file {name!r} chunk {i} lies past the end of blob {blob_index}")
+            out.append(Chunk(
+                file_offset=i * cs, size=want, blob_offset=info.compressed_offset, blob_size=csize,
+                compression=comp, digest=f"{algo}:{info.digest.hex()}", blob_index=blob_index,
+            ))
+        return tuple(out)
+
+    # -- tree -----------------------------------------------------------------------------------
+    def walk(self) -> tuple[list[Entry], dict[int, str], dict[int, tuple[int, int]]]:
+        """(entries in DFS preorder, nid -> first name, dir nid -> its subtree's index range)."""
+        root = self.info.sb.root_nid
+        entries: list[Entry] = []
+        first_name: dict[int, str] = {}
+        ranges: dict[int, tuple[int, int]] = {}
+        stack: list[tuple[str, int, int]] = [("", root, root)]
+        while stack:
+            name, nid, parent_nid = stack.pop()
+            if nid < 0:
+                dir_nid = -nid - 1  # end-of-subtree marker pushed below a directory's children
+                ranges[dir_nid] = (ranges[dir_nid][0], len(entries))
+                continue
+            if len(name) > _MAX_NAME:
+                raise FormatError(f"nydus bootstrap: path {name[:64]!r}... is longer than {_MAX_NAME} bytes")
+            self.name_budget -= len(name)
+            if self.name_budget < 0:
+                raise FormatError("nydus bootstrap: entry names add up to more than the bootstrap can justify")
+            ino = self.inode(nid)
+            ftype = _TYPES.get(ino.mode & L.S_IFMT)
+            if name == "" and ftype is not EntryType.DIR:
+                raise FormatError("nydus bootstrap: root inode is not a directory")
+            if ftype is None:
+                if ino.mode & L.S_IFMT == L.S_IFSOCK:
+                    continue  # sockets cannot be expressed in a layer tar
+                raise FormatError(f"nydus bootstrap: {name!r} has unknown file type (mode {ino.mode:o})")
+            if nid in first_name:
+                if ftype is EntryType.DIR:
+                    raise FormatError(f"nydus bootstrap: directory nid {nid} is reachable twice (cycle?)")
+                entries.append(self._entry(name, nid, ino, EntryType.HARDLINK, link=first_name[nid]))
+                continue
+            first_name[nid] = name
+            if ftype is EntryType.DIR:
+                ranges[nid] = (len(entries), len(entries) + 1)
+                entries.append(self._entry(name, nid, ino, ftype))
+                stack.append(("", -nid - 1, 0))
+                children = []
+                seen_names: set[bytes] = set()
+                for raw, child in self.dirents(nid, ino):
+                    if raw in (b".", b".."):
+                        # Self and parent links are never entries; they must say what they are.
+                        if child != (nid if raw == b"." else parent_nid):
+                            raise FormatError(f"nydus bootstrap: directory {name!r} has a bad {raw.decode()!r} entry")
+                        continue
+                    if not raw or b"/" in raw or b"\x00" in raw:
+                        raise FormatError(f"nydus bootstrap: directory {name!r} has invalid entry name {raw!r}")
+                    if raw in seen_names:
+                        raise FormatError(f"nydus bootstrap: directory {name!r} lists {raw!r} twice")
+                    seen_names.add(raw)
+                    child_name = raw.decode("utf-8", "surrogateescape")
+                    children.append((posixpath.join(name, child_name) if name else child_name, child, nid))
+                stack.extend(reversed(children))
+            else:
+                entries.append(self._entry(name, nid, ino, ftype))
+        return entries, first_name, ranges
+
+    def _entry(self, name: str, nid: int, ino: L.Inode, ftype: EntryType, *, link: str = "") -> Entry:
+        if ino.extended:
+            mtime_ns = ino.mtime * 1_000_000_000 + ino.mtime_nsec
+        else:  # what the kernel shows: build time + the compact inode's relative seconds
+            mtime_ns = (self.info.sb.build_time + ino.mtime) * 1_000_000_000 + self.info.sb.build_time_nsec
+        common = dict(name=name, mode=ino.mode & 0o7777, uid=ino.uid, gid=ino.gid, mtime_ns=mtime_ns,
+                      nlink=ino.nlink, xattrs=self.xattrs(nid, ino))
+        if ftype is EntryType.HARDLINK:
+            return Entry(type=ftype, link_target=link, **common)  # type: ignore[arg-type]
+        if ftype is EntryType.REG:
+            entry = Entry(type=ftype, size=ino.size, chunks=self.chunks(nid, ino, name), **common)  # type: ignore[arg-type]
+            check_chunks(entry)
+            return entry
+        if ftype is EntryType.SYMLINK:
+            target = self.flat_data(nid, ino, _MAX_SYMLINK)
+            if not target or b"\x00" in target:
+                raise FormatError(f"nydus bootstrap: symlink {name!r} has an empty or NUL-containing target")
+            return Entry(type=ftype, link_target=target.decode("utf-8", "surrogateescape"), **common)  # type: ignore[arg-type]
+        if ftype in (EntryType.CHAR, EntryType.BLOCK):
+            major, minor = L.decode_dev(ino.i_u)
+            return Entry(type=ftype, dev_major=major, dev_minor=minor, **common)  # type: ignore[arg-type]
+        return Entry(type=ftype, **common)  # type: ignore[arg-type]
+
+
+def parse_bootstrap(data: bytes, *, max_bootstrap_bytes: int, ci_arrays: Mapping[int, bytes] | None = None,
+                    blob_digests: Mapping[int, bytes] | None = None) -> LayerIndex:
+    """Parse a RAFS v6 bootstrap into a LayerIndex (see the module docstring).
+
+    ci_arrays / blob_digests: optional per-blob uncompressed CI arrays and "blob.digest" arrays
+    (32 bytes per chunk, by CI index) read from the blobs; when given they replace the bootstrap
+    chunk table as the source of chunk info / digests for that blob.
+    """
+    info = read_bootstrap_info(data, max_bootstrap_bytes=max_bootstrap_bytes)
+    reader = _Reader(data, info, ci_arrays, blob_digests)
+    entries, first_name, ranges = reader.walk()
+    index_of = {e.name: i for i, e in enumerate(entries)}
+    prefetch: list[str] = []
+    emitted: set[int] = set()
+    jump: dict[int, int] = {}  # start -> end of subtrees already expanded, so each index is visited once
+    for nid in info.prefetch_nids:
+        name = first_name.get(nid)
+        if name is None:
+            raise FormatError(f"nydus bootstrap: prefetch table names nid {nid}, which is not in the tree")
+        start = index_of[name]
+        start, end = ranges.get(nid, (start, start + 1))
+        i = start
+        while i < end:
+            if i in jump:
+                i = jump[i]
+                continue
+            if entries[i].type is EntryType.REG and i not in emitted:
+                emitted.add(i)
+                prefetch.append(entries[i].name)
+            i += 1
+        jump[start] = max(end, jump.get(start, end))
+    return LayerIndex(format="nydus", entries=tuple(entries), blobs=tuple(b.blob_id for b in info.blobs),
+                      prefetch=tuple(prefetch))
+
+
+from snapshotter.formats.rafs_writer import NydusResult, write_nydus  # noqa: E402
