@@ -18,7 +18,7 @@ import tarfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO, BinaryIO
 
 from snapshotter.formats.index import Entry, EntryType, LayerIndex, normalize_name
 
@@ -122,7 +122,7 @@ def write_corpus_tar(path: Path, *, big_size: int = 100 * 1024 * 1024) -> Path:
     return path
 
 
-def _sha256_stream(f: BinaryIO) -> str:
+def _sha256_stream(f: IO[bytes]) -> str:
     h = hashlib.sha256()
     for block in iter(lambda: f.read(1 << 20), b""):
         h.update(block)

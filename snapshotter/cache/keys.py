@@ -1,0 +1,44 @@
+"""Chunk keys and where they live on disk.
+
+A key names the uncompressed bytes of one chunk:
+- "sha256:HEX" / "blake3:HEX" (64 lowercase hex digits): content-addressed, so identical chunks
+  of different layers and images share one file, `chunks/ALGO/HEX[:2]/HEX`.
+- "blob:BLOB@OFFSET+INNER:SIZE" for chunks whose format records no digest: the chunk is named by
+  where it sits in its blob (blob digest, compressed offset, inner offset, size). The file is
+  `chunks/blob/H[:2]/H` with H = sha256(key), which keeps odd blob ids out of path names.
+
+Anything else is rejected with ValueError, so a hostile TOC digest can never become a path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+DIGEST_ALGOS = ("sha256", "blake3")
+_DIGEST_RE = re.compile(r"^(sha256|blake3):([0-9a-f]{64})$")
+BLOB_PREFIX = "blob:"
+
+
+def blob_key(blob: str, blob_offset: int, inner_offset: int, size: int) -> str:
+    """The key of a digest-less chunk: its blob, compressed offset, inner offset and size."""
+    if not blob or blob_offset < 0 or inner_offset < 0 or size < 0:
+        raise ValueError(f"bad blob chunk position {blob!r}@{blob_offset}+{inner_offset}:{size}")
+    return f"{BLOB_PREFIX}{blob}@{blob_offset}+{inner_offset}:{size}"
+
+
+def is_digest_key(key: str) -> bool:
+    return _DIGEST_RE.match(key) is not None
+
+
+def relative_path(key: str) -> Path:
+    """`chunks/...` path of a key, relative to the cache root. ValueError for malformed keys."""
+    m = _DIGEST_RE.match(key)
+    if m is not None:
+        algo, hexd = m.group(1), m.group(2)
+        return Path("chunks", algo, hexd[:2], hexd)
+    if key.startswith(BLOB_PREFIX) and len(key) > len(BLOB_PREFIX) and "\x00" not in key:
+        h = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+        return Path("chunks", "blob", h[:2], h)
+    raise ValueError(f"not a chunk key: {key!r} (want sha256:HEX, blake3:HEX or blob:...)")

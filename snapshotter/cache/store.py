@@ -1,0 +1,535 @@
+"""The on-disk chunk store shared by the daemon and every mount process of a node.
+
+Layout under ROOT:
+  chunks/ALGO/ab/abcdef...     one file per chunk (uncompressed bytes), see `keys.relative_path`
+  chunks/.../.tmp.PID.RANDOM   a write in progress (same dir as its target, so rename is atomic)
+  index.db                     SQLite (WAL): chunks(key, size, atime), usage counters, pins
+
+Invariants (across processes; all index changes run in `BEGIN IMMEDIATE` transactions):
+- A chunk is served only if it has an index row AND its file has the recorded size. Files are
+  written to a temp name and `os.replace`d into place inside the same write transaction that
+  inserts the row, so a crash mid-write leaves only a temp file (never served, not counted,
+  removed by `repair`), and eviction (which unlinks inside its transaction) cannot interleave
+  with a commit.
+- `usage()` is the sum of the rows, kept by triggers in a one-row table: O(1), no tree walk.
+- Hard cap: a put makes room (evicting least recently used, unpinned chunks) in the same
+  transaction that commits it; when it cannot, it stores nothing and returns False. Committed
+  bytes never exceed `max_bytes` (temp files of writes in progress are outside the count).
+- LRU is approximate: `get` refreshes a row's atime only when it is older than `touch_interval`.
+- Pins are rows (pid, process start time, key, count). Pins of processes that are gone (or whose
+  pid was reused: the start time differs) are ignored and pruned.
+- Rows whose file vanished (a crash between unlink and commit, an operator's rm) are dropped on
+  the next `get`/`put` of that key; `repair()` reconciles the whole tree (run it at daemon start).
+
+Every method blocks (disk + SQLite); async callers run them in a worker thread. One ChunkCache
+may be used from several threads (a lock serializes its SQLite connection); after a fork the
+child reopens its own connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Container, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from snapshotter.cache import procs
+from snapshotter.cache.keys import relative_path
+from snapshotter.errors import CacheError
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS chunks(
+    key TEXT PRIMARY KEY,
+    size INTEGER NOT NULL,
+    atime REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS chunks_by_atime ON chunks(atime);
+CREATE TABLE IF NOT EXISTS usage(
+    id INTEGER PRIMARY KEY CHECK (id = 0),
+    bytes INTEGER NOT NULL,
+    chunks INTEGER NOT NULL
+);
+INSERT OR IGNORE INTO usage(id, bytes, chunks) VALUES (0, 0, 0);
+CREATE TRIGGER IF NOT EXISTS chunks_count_insert AFTER INSERT ON chunks BEGIN
+    UPDATE usage SET bytes = bytes + NEW.size, chunks = chunks + 1 WHERE id = 0;
+END;
+CREATE TRIGGER IF NOT EXISTS chunks_count_delete AFTER DELETE ON chunks BEGIN
+    UPDATE usage SET bytes = bytes - OLD.size, chunks = chunks - 1 WHERE id = 0;
+END;
+CREATE TABLE IF NOT EXISTS pins(
+    pid INTEGER NOT NULL,
+    start TEXT NOT NULL,
+    key TEXT NOT NULL,
+    count INTEGER NOT NULL,
+    PRIMARY KEY (pid, start, key)
+);
+CREATE INDEX IF NOT EXISTS pins_by_key ON pins(key);
+"""
+
+_TMP_PREFIX = ".tmp."
+_EVICT_BATCH = 256
+
+
+@dataclass(frozen=True, slots=True)
+class CacheUsage:
+    bytes: int
+    chunks: int
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    """What an eviction, GC or repair took away."""
+
+    bytes: int = 0
+    chunks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RepairReport:
+    temp_files: int = 0
+    orphan_files: int = 0
+    missing_files: int = 0
+
+
+class ChunkCache:
+    """A size-capped, content-addressed chunk store; see the module docstring for invariants."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        max_bytes: int,
+        *,
+        touch_interval: float = 5.0,
+        fsync: bool = False,
+        busy_timeout: float = 30.0,
+    ) -> None:
+        if max_bytes < 0:
+            raise ValueError("max_bytes must be >= 0")
+        self.root = Path(root)
+        self.max_bytes = max_bytes
+        self.touch_interval = touch_interval
+        self.fsync = fsync
+        self._busy_ms = int(busy_timeout * 1000)
+        self._lock = threading.RLock()
+        self._db: sqlite3.Connection | None = None
+        self._db_pid = -1
+        self._me: tuple[int, str] | None = None
+        try:
+            (self.root / "chunks").mkdir(parents=True, exist_ok=True)
+            self._connect()
+        except (OSError, sqlite3.Error) as exc:
+            raise CacheError(f"cannot open chunk cache at {self.root}: {exc}") from exc
+
+    # -- connection and transactions ------------------------------------------------------
+
+    def _connect(self) -> sqlite3.Connection:
+        pid = os.getpid()
+        if self._db is not None and self._db_pid == pid:
+            return self._db
+        # After a fork the parent's connection must not be used (or closed) by the child.
+        db = sqlite3.connect(
+            self.root / "index.db",
+            isolation_level=None,
+            check_same_thread=False,
+            timeout=self._busy_ms / 1000,
+        )
+        db.execute(f"PRAGMA busy_timeout = {self._busy_ms}")
+        db.execute("PRAGMA journal_mode = WAL")
+        db.execute("PRAGMA synchronous = NORMAL")
+        try:
+            # executescript would commit a transaction opened with execute(): keep it in the script.
+            db.executescript("BEGIN IMMEDIATE;\n" + _SCHEMA + "\nCOMMIT;")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            db.close()
+            raise
+        self._db, self._db_pid = db, pid
+        self._me = None
+        return db
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """A write transaction (BEGIN IMMEDIATE: takes the database's write lock up front)."""
+        with self._lock:
+            db = self._connect()
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            else:
+                db.execute("COMMIT")
+
+    @contextlib.contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            yield self._connect()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._db is not None and self._db_pid == os.getpid():
+                self._db.close()
+            self._db = None
+
+    def __enter__(self) -> ChunkCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _identity(self) -> tuple[int, str]:
+        pid = os.getpid()
+        if self._me is None or self._me[0] != pid:
+            self._me = (pid, procs.start_time(pid) or "")
+        return self._me
+
+    # -- paths ------------------------------------------------------------------------------
+
+    def path_for(self, key: str) -> Path:
+        """Where the chunk `key` lives (whether or not it is cached). ValueError for bad keys."""
+        return self.root / relative_path(key)
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def get(self, key: str, offset: int = 0, size: int | None = None) -> bytes | None:
+        """The chunk's bytes [offset, offset+size) (all of it by default, clipped to its end),
+        or None if it is not cached. Refreshes its LRU position."""
+        path = self.path_for(key)
+        if offset < 0 or (size is not None and size < 0):
+            raise ValueError(f"bad range {offset}+{size}")
+        try:
+            with self._read() as db:
+                row = db.execute("SELECT size, atime FROM chunks WHERE key = ?", (key,)).fetchone()
+            if row is None:
+                return None
+            length, atime = row
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                self._forget_if_missing(key, path)
+                return None
+            try:
+                if os.fstat(fd).st_size != length:
+                    # Only a damaged disk or an outside writer gets here; never serve it.
+                    self.discard(key)
+                    return None
+                want = max(0, min(length - offset, length if size is None else size))
+                data = os.pread(fd, want, offset) if want else b""
+            finally:
+                os.close(fd)
+            if len(data) != want:
+                return None
+            now = time.time()
+            if now - atime >= self.touch_interval:
+                with self._write() as db:
+                    db.execute("UPDATE chunks SET atime = ? WHERE key = ? AND atime < ?", (now, key, now))
+            return data
+        except (sqlite3.Error, OSError) as exc:
+            raise CacheError(f"chunk cache {self.root}: cannot read {key}: {exc}") from exc
+
+    def contains(self, key: str) -> bool:
+        """Whether `key` has an index row (no file check, no LRU touch)."""
+        return bool(self.present([key]))
+
+    def present(self, keys: Iterable[str]) -> set[str]:
+        """The subset of `keys` that the index holds (one query; no LRU touch)."""
+        wanted = list(dict.fromkeys(keys))
+        found: set[str] = set()
+        try:
+            with self._read() as db:
+                for i in range(0, len(wanted), 500):
+                    part = wanted[i:i + 500]
+                    marks = ",".join("?" * len(part))
+                    found.update(
+                        r[0] for r in db.execute(f"SELECT key FROM chunks WHERE key IN ({marks})", part)
+                    )
+        except sqlite3.Error as exc:
+            raise CacheError(f"chunk cache {self.root}: {exc}") from exc
+        return found
+
+    def usage(self) -> CacheUsage:
+        """Committed bytes and chunks (O(1): counters kept by triggers)."""
+        try:
+            with self._read() as db:
+                b, n = db.execute("SELECT bytes, chunks FROM usage WHERE id = 0").fetchone()
+        except sqlite3.Error as exc:
+            raise CacheError(f"chunk cache {self.root}: {exc}") from exc
+        return CacheUsage(bytes=b, chunks=n)
+
+    # -- writes -----------------------------------------------------------------------------
+
+    def put(self, key: str, data: bytes) -> bool:
+        """Store `data` as chunk `key` (the caller has verified it). True if it is now cached.
+
+        False when it cannot fit: larger than max_bytes, or everything else is pinned.
+        Storing a key that is already cached only refreshes its LRU position.
+        """
+        path = self.path_for(key)
+        size = len(data)
+        if size > self.max_bytes:
+            return False
+        tmp: Path | None = None
+        try:
+            if self._refresh_existing(key, path):
+                return True
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.parent / f"{_TMP_PREFIX}{os.getpid()}.{secrets.token_hex(6)}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            with self._write() as db:
+                row = db.execute("SELECT size FROM chunks WHERE key = ?", (key,)).fetchone()
+                if row is not None:
+                    if path.exists():
+                        db.execute("UPDATE chunks SET atime = ? WHERE key = ?", (time.time(), key))
+                        return True
+                    db.execute("DELETE FROM chunks WHERE key = ?", (key,))
+                if not self._make_room(db, size, self.max_bytes):
+                    return False
+                os.replace(tmp, path)
+                tmp = None
+                db.execute("INSERT INTO chunks(key, size, atime) VALUES (?, ?, ?)", (key, size, time.time()))
+            return True
+        except (sqlite3.Error, OSError) as exc:
+            raise CacheError(f"chunk cache {self.root}: cannot store {key}: {exc}") from exc
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+
+    def _refresh_existing(self, key: str, path: Path) -> bool:
+        with self._read() as db:
+            row = db.execute("SELECT atime FROM chunks WHERE key = ?", (key,)).fetchone()
+        if row is None or not path.exists():
+            return False
+        if time.time() - row[0] >= self.touch_interval:
+            with self._write() as db:
+                db.execute("UPDATE chunks SET atime = ? WHERE key = ?", (time.time(), key))
+        return True
+
+    def _forget_if_missing(self, key: str, path: Path) -> None:
+        with self._write() as db:
+            # Re-check under the write lock: another process may have just stored it again.
+            if not path.exists():
+                db.execute("DELETE FROM chunks WHERE key = ?", (key,))
+
+    def discard(self, key: str) -> bool:
+        """Remove one chunk (e.g. found corrupt) regardless of pins; True if it was cached."""
+        path = self.path_for(key)
+        try:
+            with self._write() as db:
+                gone = db.execute("DELETE FROM chunks WHERE key = ?", (key,)).rowcount > 0
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        except (sqlite3.Error, OSError) as exc:
+            raise CacheError(f"chunk cache {self.root}: cannot discard {key}: {exc}") from exc
+        return gone
+
+    def _make_room(self, db: sqlite3.Connection, need: int, limit: int, *, partial: bool = False) -> bool:
+        """Inside a write transaction: evict LRU unpinned chunks until usage + need <= limit.
+
+        Returns False, having evicted nothing, when pins make that impossible (unless `partial`:
+        then it evicts what it can).
+        """
+        (used,) = db.execute("SELECT bytes FROM usage WHERE id = 0").fetchone()
+        excess = used + need - limit
+        if excess <= 0:
+            return True
+        if not partial and self._evictable(db) < excess:
+            if not self._prune_pins_locked(db) or self._evictable(db) < excess:
+                return False
+        while excess > 0:
+            victims = db.execute(
+                "SELECT key, size FROM chunks WHERE key NOT IN (SELECT key FROM pins) ORDER BY atime LIMIT ?",
+                (_EVICT_BATCH,),
+            ).fetchall()
+            if not victims:
+                if partial and self._prune_pins_locked(db):
+                    continue
+                return False
+            for key, size in victims:
+                self._remove_locked(db, key)
+                excess -= size
+                if excess <= 0:
+                    break
+        return True
+
+    @staticmethod
+    def _evictable(db: sqlite3.Connection) -> int:
+        (n,) = db.execute(
+            "SELECT COALESCE(SUM(size), 0) FROM chunks WHERE key NOT IN (SELECT key FROM pins)"
+        ).fetchone()
+        return int(n)
+
+    def _remove_locked(self, db: sqlite3.Connection, key: str) -> None:
+        db.execute("DELETE FROM chunks WHERE key = ?", (key,))
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path_for(key))
+
+    def evict_to(self, limit: int) -> Removed:
+        """Evict LRU unpinned chunks until usage <= limit (as far as pins allow)."""
+        try:
+            with self._write() as db:
+                before = db.execute("SELECT bytes, chunks FROM usage WHERE id = 0").fetchone()
+                self._make_room(db, 0, max(limit, 0), partial=True)
+                after = db.execute("SELECT bytes, chunks FROM usage WHERE id = 0").fetchone()
+        except (sqlite3.Error, OSError) as exc:
+            raise CacheError(f"chunk cache {self.root}: eviction failed: {exc}") from exc
+        return Removed(bytes=before[0] - after[0], chunks=before[1] - after[1])
+
+    def gc(self, referenced: Callable[[str], bool] | Container[str]) -> Removed:
+        """Remove every unpinned chunk whose key `referenced` does not hold.
+
+        `referenced` is a predicate or a container (e.g. the set of chunk keys of all live
+        snapshots). It is called without the write lock held.
+        """
+        check: Callable[[str], bool]
+        if isinstance(referenced, Container):
+            check = referenced.__contains__
+        else:
+            check = referenced
+        try:
+            with self._read() as db:
+                keys = [r[0] for r in db.execute("SELECT key FROM chunks")]
+            doomed = [k for k in keys if not check(k)]
+            freed = count = 0
+            with self._write() as db:
+                self._prune_pins_locked(db)
+            for i in range(0, len(doomed), _EVICT_BATCH):
+                with self._write() as db:
+                    for key in doomed[i:i + _EVICT_BATCH]:
+                        row = db.execute(
+                            "SELECT size FROM chunks WHERE key = ? AND key NOT IN (SELECT key FROM pins)",
+                            (key,),
+                        ).fetchone()
+                        if row is None:
+                            continue
+                        self._remove_locked(db, key)
+                        freed += row[0]
+                        count += 1
+        except (sqlite3.Error, OSError) as exc:
+            raise CacheError(f"chunk cache {self.root}: gc failed: {exc}") from exc
+        return Removed(bytes=freed, chunks=count)
+
+    # -- pins -------------------------------------------------------------------------------
+
+    def pin(self, keys: Iterable[str]) -> None:
+        """Protect `keys` from eviction and GC while this process lives (counted per key)."""
+        pid, start = self._identity()
+        rows = [(pid, start, k) for k in keys]
+        with self._write() as db:
+            db.executemany(
+                "INSERT INTO pins(pid, start, key, count) VALUES (?, ?, ?, 1)"
+                " ON CONFLICT(pid, start, key) DO UPDATE SET count = count + 1",
+                rows,
+            )
+
+    def unpin(self, keys: Iterable[str]) -> None:
+        """Undo one `pin` of each key by this process."""
+        pid, start = self._identity()
+        rows = [(pid, start, k) for k in keys]
+        with self._write() as db:
+            db.executemany("UPDATE pins SET count = count - 1 WHERE pid = ? AND start = ? AND key = ?", rows)
+            db.execute("DELETE FROM pins WHERE count <= 0")
+
+    @contextlib.contextmanager
+    def pinned(self, keys: Iterable[str]) -> Iterator[None]:
+        keys = list(keys)
+        self.pin(keys)
+        try:
+            yield
+        finally:
+            self.unpin(keys)
+
+    def pinned_keys(self) -> set[str]:
+        """Keys pinned by live processes."""
+        with self._write() as db:
+            self._prune_pins_locked(db)
+            return {r[0] for r in db.execute("SELECT DISTINCT key FROM pins")}
+
+    def prune_pins(self) -> int:
+        """Drop pins of processes that are gone; returns how many processes were pruned."""
+        with self._write() as db:
+            return self._prune_pins_locked(db)
+
+    def _prune_pins_locked(self, db: sqlite3.Connection) -> int:
+        owners = db.execute("SELECT DISTINCT pid, start FROM pins").fetchall()
+        dead = [(pid, start) for pid, start in owners if not procs.is_alive(pid, start)]
+        db.executemany("DELETE FROM pins WHERE pid = ? AND start = ?", dead)
+        return len(dead)
+
+    # -- maintenance ------------------------------------------------------------------------
+
+    def repair(self, *, temp_grace: float = 3600.0) -> RepairReport:
+        """Reconcile the tree with the index (walks the tree; run at daemon start).
+
+        Removes temp files of dead writers (and any older than `temp_grace` seconds), files
+        without an index row, and rows without a file.
+        """
+        temps = orphans = missing = 0
+        now = time.time()
+        try:
+            with self._write() as db:
+                known = {r[0]: r[1] for r in db.execute("SELECT key, size FROM chunks")}
+                by_path = {relative_path(k).as_posix(): k for k in known}
+                seen: set[str] = set()
+                for dirpath, _dirs, files in os.walk(self.root / "chunks"):
+                    for name in files:
+                        full = Path(dirpath, name)
+                        rel = full.relative_to(self.root).as_posix()
+                        if name.startswith(_TMP_PREFIX):
+                            if self._temp_is_stale(name, full, now, temp_grace):
+                                with contextlib.suppress(FileNotFoundError):
+                                    full.unlink()
+                                temps += 1
+                            continue
+                        key = by_path.get(rel)
+                        if key is None or full.stat().st_size != known[key]:
+                            with contextlib.suppress(FileNotFoundError):
+                                full.unlink()
+                            if key is not None:
+                                db.execute("DELETE FROM chunks WHERE key = ?", (key,))
+                                missing += 1
+                            else:
+                                orphans += 1
+                            continue
+                        seen.add(key)
+                gone = [k for k in known if k not in seen]
+                for key in gone:
+                    db.execute("DELETE FROM chunks WHERE key = ?", (key,))
+                missing += len(gone)
+                # Recompute the counters from the rows, in case the index was edited by hand.
+                db.execute(
+                    "UPDATE usage SET bytes = (SELECT COALESCE(SUM(size), 0) FROM chunks),"
+                    " chunks = (SELECT COUNT(*) FROM chunks) WHERE id = 0"
+                )
+                self._prune_pins_locked(db)
+        except (sqlite3.Error, OSError) as exc:
+            raise CacheError(f"chunk cache {self.root}: repair failed: {exc}") from exc
+        return RepairReport(temp_files=temps, orphan_files=orphans, missing_files=missing)
+
+    @staticmethod
+    def _temp_is_stale(name: str, full: Path, now: float, grace: float) -> bool:
+        try:
+            pid = int(name[len(_TMP_PREFIX):].split(".", 1)[0])
+        except ValueError:
+            return True
+        if procs.start_time(pid) is None:
+            return True
+        try:
+            return now - full.stat().st_mtime > grace
+        except FileNotFoundError:
+            return False

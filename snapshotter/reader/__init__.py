@@ -1,0 +1,24 @@
+"""Lazy file reads of a layer: cache -> single-flight fetch -> verify -> cache."""
+
+from snapshotter.reader.budget import ByteBudget
+from snapshotter.reader.layer import (
+    LayerReader,
+    ReaderConfig,
+    ReaderStatistics,
+    chunk_key,
+    open_layer_reader,
+)
+from snapshotter.reader.source import BatchRangeSource, FileRangeSource, RangeSource, RegistryRangeSource
+
+__all__ = [
+    "BatchRangeSource",
+    "ByteBudget",
+    "FileRangeSource",
+    "LayerReader",
+    "RangeSource",
+    "ReaderConfig",
+    "ReaderStatistics",
+    "RegistryRangeSource",
+    "chunk_key",
+    "open_layer_reader",
+]

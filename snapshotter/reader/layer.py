@@ -1,0 +1,586 @@
+"""Reading file bytes of a lazily pulled layer: cache -> single-flight fetch -> verify -> cache.
+
+`LayerReader.read(entry, offset, size)` returns the file bytes [offset, offset+size) (clipped to
+the file) of a regular-file `Entry` of the layer's index.
+
+Contracts / concurrency invariants (one trio event loop; blocking cache IO, decompression and
+hashing run in worker threads):
+- Bytes are verified (chunk digest, when the format records one) BEFORE they are cached or
+  returned. Corrupt bytes (digest mismatch, undecodable compressed data) are fetched once more;
+  if still bad: DigestMismatch (FormatError for digest-less chunks). Bad bytes are never cached.
+  A source answering the wrong number of bytes is a FetchError (retrying transport errors is
+  the registry client's job).
+- Single flight: at most one fetch per chunk key is in flight in this reader. Other readers of
+  the same chunk wait for it and get its bytes or its error. The leader is whichever read
+  needed the chunk first; if it is cancelled, waiters retry (one of them becomes the leader).
+- Adjacent chunks needed together (same blob, contiguous/overlapping compressed ranges, up to
+  `max_merge_bytes`) are fetched with one range request.
+- Memory: a chunk larger than `max_chunk_bytes` (compressed, or inner offset + size) is refused
+  with LimitExceeded before anything is fetched. Every fetch holds its compressed + decompressed
+  size from a byte budget (`max_inflight_bytes`) while it runs, and a background cache write
+  holds its bytes; a read never needs more than its chunks, never the blob.
+- `fetch_timeout` bounds each fetch (budget wait, request, decode, the refetch); on expiry the
+  read fails with FetchError. Waiters give up after the same bound.
+- Read-ahead: after `readahead_trigger` sequential reads of an entry, up to `readahead_bytes`
+  of the following chunks are fetched into the cache in the background (needs the nursery and
+  a cache). Read-ahead never waits for budget: it skips when memory is short.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import trio
+
+from snapshotter.cache.keys import blob_key, is_digest_key
+from snapshotter.cache.store import ChunkCache
+from snapshotter.errors import (
+    CacheError,
+    DigestMismatch,
+    FetchError,
+    FormatError,
+    LimitExceeded,
+    SnapshotterError,
+)
+from snapshotter.formats.codec import decompress_chunk
+from snapshotter.formats.digest import check_digest
+from snapshotter.formats.index import Chunk, Entry, EntryType
+from snapshotter.reader.budget import ByteBudget
+from snapshotter.reader.source import RangeSource
+
+log = logging.getLogger(__name__)
+
+_MAX_SEQ_TRACKED = 1024
+_SEQ_SLACK = 256 << 10
+
+
+def chunk_key(chunk: Chunk, blobs: Sequence[str]) -> str:
+    """The cache key of a chunk: its digest (lowercased), or, for formats that record none, its
+    position in its blob (`blobs[chunk.blob_index]`, as in `LayerIndex.blobs`).
+
+    The daemon uses this to list the keys live snapshots reference for `ChunkCache.gc`.
+    FormatError for digests the cache cannot address (algorithms other than sha256/blake3).
+    """
+    if chunk.digest is not None:
+        key = chunk.digest.lower()
+        if not is_digest_key(key):
+            raise FormatError(f"chunk at blob offset {chunk.blob_offset}: unsupported digest {chunk.digest!r}")
+        return key
+    try:
+        blob = blobs[chunk.blob_index]
+    except IndexError:
+        raise FormatError(f"chunk refers to blob number {chunk.blob_index} of {len(blobs)}") from None
+    return blob_key(blob, chunk.blob_offset, chunk.inner_offset, chunk.size)
+
+
+@dataclass(frozen=True)
+class ReaderConfig:
+    fetch_timeout: float = 30.0
+    max_inflight_bytes: int = 64 << 20
+    max_merge_bytes: int = 4 << 20
+    max_chunk_bytes: int = 64 << 20
+    readahead_bytes: int = 8 << 20
+    readahead_trigger: int = 2
+    max_readahead_tasks: int = 4
+    verify_cached: bool = False
+
+    def __post_init__(self) -> None:
+        if self.fetch_timeout <= 0 or self.max_inflight_bytes <= 0 or self.readahead_trigger < 1:
+            raise ValueError(f"bad reader config {self}")
+
+
+@dataclass
+class ReaderStatistics:
+    """Counters since the reader was made (a live object; copy it to snapshot)."""
+
+    cache_hits: int = 0
+    requests: int = 0
+    fetched_bytes: int = 0
+    chunks_fetched: int = 0
+    refetches: int = 0
+    readahead_chunks: int = 0
+    readahead_skipped: int = 0
+    cache_put_failures: int = 0
+
+
+class _Flight:
+    """One chunk being fetched. Stays in the in-flight table until its bytes are in the cache
+    (`storing`: finished, cache write still running), so nobody fetches it again meanwhile."""
+
+    __slots__ = ("done", "data", "error", "abandoned", "storing")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.data: bytes | None = None
+        self.error: BaseException | None = None
+        self.abandoned = False
+        self.storing = False
+
+    def finish(self, data: bytes | None = None, error: BaseException | None = None) -> None:
+        if not self.done.is_set():
+            self.data, self.error = data, error
+            self.done.set()
+
+    def abandon(self) -> None:
+        if not self.done.is_set():
+            self.abandoned = True
+            self.done.set()
+
+
+@dataclass
+class _SeqState:
+    next_offset: int
+    streak: int
+    ahead_until: int = 0
+
+
+@dataclass
+class _Job:
+    """Chunks this task leads, keyed by cache key."""
+
+    chunks: dict[str, Chunk] = field(default_factory=dict)
+    flights: dict[str, _Flight] = field(default_factory=dict)
+
+
+class LayerReader:
+    """Reads regular files of one layer (its chunks live in `blobs`, served by `source`)."""
+
+    def __init__(
+        self,
+        source: RangeSource,
+        *,
+        blobs: Sequence[str],
+        cache: ChunkCache | None,
+        config: ReaderConfig | None = None,
+        nursery: trio.Nursery | None = None,
+    ) -> None:
+        self.source = source
+        self.blobs = tuple(blobs)
+        self.cache = cache
+        self.config = config or ReaderConfig()
+        self.stats = ReaderStatistics()
+        self._nursery = nursery
+        self._budget = ByteBudget(self.config.max_inflight_bytes)
+        self._flights: dict[str, _Flight] = {}
+        self._seq: OrderedDict[str, _SeqState] = OrderedDict()
+        self._readahead_tasks = 0
+        self._cache_limiter = trio.CapacityLimiter(8)
+
+    # -- public -----------------------------------------------------------------------------
+
+    async def read(self, entry: Entry, offset: int, size: int) -> bytes:
+        """File bytes [offset, offset+size) of `entry`, clipped to its size (b"" past the end)."""
+        if entry.type is not EntryType.REG:
+            raise FormatError(f"{entry.name!r} is a {entry.type.value}, not a regular file")
+        chunks = entry.chunks_for(offset, size)
+        if not chunks:
+            return b""
+        end = min(offset + size, entry.size)
+        pieces = await self._get(chunks, offset, end)
+        self._note_access(entry, offset, end, chunks[-1])
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+    async def prefetch(self, entry: Entry, *, pin: bool = False) -> None:
+        """Fetch every chunk of `entry` into the cache (prefetch lists); errors propagate.
+
+        pin=True pins its chunks first (so eviction and GC keep them while this process
+        lives, or until `unpin(entry)`); pinned chunks count against the cap.
+        """
+        cache = self.cache
+        if cache is None or entry.type is not EntryType.REG:
+            return
+        if pin:
+            keys = [self.key_for(c) for c in entry.chunks]
+            await trio.to_thread.run_sync(cache.pin, keys, limiter=self._cache_limiter)
+        step = max(self.config.max_merge_bytes, 1)
+        for start in range(0, entry.size, step):
+            await self._ensure_cached(entry.chunks_for(start, step), background=False)
+
+    async def unpin(self, entry: Entry) -> None:
+        """Undo `prefetch(entry, pin=True)`."""
+        if self.cache is not None and entry.type is EntryType.REG:
+            keys = [self.key_for(c) for c in entry.chunks]
+            await trio.to_thread.run_sync(self.cache.unpin, keys, limiter=self._cache_limiter)
+
+    def key_for(self, chunk: Chunk) -> str:
+        """The cache key of one of this layer's chunks (see `chunk_key`)."""
+        return chunk_key(chunk, self.blobs)
+
+    # -- getting chunk bytes -----------------------------------------------------------------
+
+    async def _get(self, chunks: Sequence[Chunk], offset: int, end: int) -> list[bytes]:
+        """The parts of `chunks` inside file range [offset, end), in order."""
+        keys = [self.key_for(c) for c in chunks]
+        spans = [(max(offset, c.file_offset) - c.file_offset, min(end, c.end) - c.file_offset) for c in chunks]
+        # Cached chunks: read only the needed part (a 128 KiB FUSE read of a 4 MiB chunk).
+        found = await self._cache_get_many([(k, lo, hi - lo) for k, (lo, hi) in zip(keys, spans, strict=True)])
+        missing = {keys[i]: chunks[i] for i in range(len(chunks)) if i not in found}
+        full = await self._obtain(missing) if missing else {}
+        return [
+            found[i] if i in found else full[keys[i]][lo:hi] for i, (lo, hi) in enumerate(spans)
+        ]
+
+    async def _obtain(self, wanted: dict[str, Chunk]) -> dict[str, bytes]:
+        """Bytes of every wanted chunk: lead fetches nobody runs, wait for the others."""
+        got: dict[str, bytes] = {}
+        while wanted:
+            job = _Job()
+            waits: dict[str, _Flight] = {}
+            late: list[str] = []
+            for key, chunk in wanted.items():
+                flight = self._flights.get(key)
+                if flight is None:
+                    flight = self._flights[key] = _Flight()
+                    job.chunks[key] = chunk
+                    job.flights[key] = flight
+                waits[key] = flight
+            async with trio.open_nursery() as nursery:
+                if job.chunks:
+                    nursery.start_soon(self._lead, job, False)
+                for key, flight in waits.items():
+                    nursery.start_soon(self._wait, key, flight, late)
+            if late:
+                raise FetchError(f"chunk {late[0]}: not fetched within {self.config.fetch_timeout}s")
+            retry: dict[str, Chunk] = {}
+            for key, flight in waits.items():
+                if flight.abandoned:
+                    retry[key] = wanted[key]
+                elif flight.error is not None:
+                    raise flight.error
+                else:
+                    assert flight.data is not None
+                    got[key] = flight.data
+            wanted = retry
+        return got
+
+    async def _wait(self, key: str, flight: _Flight, late: list[str]) -> None:
+        """Wait for a flight, bounded; on expiry note the key in `late` (raising here would
+        come out of the nursery wrapped in an ExceptionGroup)."""
+        with trio.move_on_after(self.config.fetch_timeout + 1.0):
+            await flight.done.wait()
+            return
+        late.append(key)
+
+    async def _lead(self, job: _Job, background: bool) -> None:
+        """Fetch the job's chunks (grouped into runs) and finish their flights.
+
+        Every flight of the job is finished (data or error) or abandoned when this returns or
+        is cancelled, and removed from the in-flight table.
+        """
+        try:
+            # Re-check the cache: a fetch of these chunks may have completed (and left the
+            # in-flight table) while our caller was looking them up.
+            keys = list(job.chunks)
+            hits = await self._cache_get_many([(k, 0, None) for k in keys])
+            for i, data in hits.items():
+                job.flights[keys[i]].finish(data=data)
+                del job.chunks[keys[i]]
+            async with trio.open_nursery() as nursery:
+                for run in self._runs(job.chunks):
+                    nursery.start_soon(self._lead_run, job, run, background)
+        finally:
+            for key, flight in job.flights.items():
+                flight.abandon()
+                if not flight.storing:
+                    self._forget_flight(key, flight)
+
+    def _forget_flight(self, key: str, flight: _Flight) -> None:
+        if self._flights.get(key) is flight:
+            del self._flights[key]
+
+    def _runs(self, chunks: dict[str, Chunk]) -> list[list[tuple[str, Chunk]]]:
+        """Group chunks into runs fetched by one range request each."""
+        items = sorted(chunks.items(), key=lambda kc: (kc[1].blob_index, kc[1].blob_offset))
+        runs: list[list[tuple[str, Chunk]]] = []
+        start = end = 0
+        for key, c in items:
+            c_end = c.blob_offset + c.blob_size
+            if (
+                runs
+                and runs[-1][-1][1].blob_index == c.blob_index
+                and c.blob_offset <= end
+                and max(end, c_end) - start <= self.config.max_merge_bytes
+            ):
+                runs[-1].append((key, c))
+                end = max(end, c_end)
+            else:
+                runs.append([(key, c)])
+                start, end = c.blob_offset, c_end
+        return runs
+
+    async def _lead_run(self, job: _Job, run: list[tuple[str, Chunk]], background: bool) -> None:
+        blob = run[0][1].blob_index
+        start = min(c.blob_offset for _, c in run)
+        end = max(c.blob_offset + c.blob_size for _, c in run)
+        cost = (end - start) + sum(c.inner_offset + c.size for _, c in run)
+        timeout = self.config.fetch_timeout
+        try:
+            limit = self.config.max_chunk_bytes
+            for key, c in run:
+                if max(c.blob_size, c.inner_offset + c.size) > limit:
+                    # A hostile or broken index must not make us allocate gigabytes.
+                    raise LimitExceeded(
+                        f"chunk {key}: {c.blob_size} compressed / {c.inner_offset + c.size} uncompressed "
+                        f"bytes exceed max_chunk_bytes {limit}"
+                    )
+            with trio.move_on_after(timeout) as scope:
+                if background:
+                    if not self._budget.acquire_nowait(cost):
+                        self.stats.readahead_skipped += len(run)
+                        return  # flights are abandoned by _lead; a foreground reader retries
+                    held = min(cost, self._budget.capacity)
+                else:
+                    held = await self._budget.acquire(cost)
+                try:
+                    await self._fetch_run(job, run, blob, start, end, background)
+                finally:
+                    self._budget.release(held)
+            if scope.cancelled_caught:
+                err = FetchError(
+                    f"blob {self._blob_name(blob)} range {start}+{end - start}: not fetched within {timeout}s"
+                )
+                for key, _ in run:
+                    job.flights[key].finish(error=err)
+        except Exception as exc:
+            for key, _ in run:
+                job.flights[key].finish(error=exc)
+
+    async def _fetch_run(
+        self, job: _Job, run: list[tuple[str, Chunk]], blob: int, start: int, end: int, background: bool
+    ) -> None:
+        data = await self._fetch(blob, start, end - start)
+        self.stats.chunks_fetched += len(run)
+        if background:
+            self.stats.readahead_chunks += len(run)
+        pieces = [(key, c, data[c.blob_offset - start:c.blob_offset - start + c.blob_size]) for key, c in run]
+        del data
+        decoded = await trio.to_thread.run_sync(self._decode_all, pieces)
+        for (key, c, _), result in zip(pieces, decoded, strict=True):
+            if not isinstance(result, FormatError):
+                job.flights[key].finish(data=result)
+                continue
+            # Corrupt in transit or at rest: one more try with a fresh request for this chunk.
+            self.stats.refetches += 1
+            log.warning("chunk %s: %s; fetching it again", key, result)
+            try:
+                again = await self._fetch(blob, c.blob_offset, c.blob_size)
+                plain = await trio.to_thread.run_sync(self._decode, key, c, again)
+            except (FormatError, FetchError) as exc:
+                job.flights[key].finish(error=exc)  # only this chunk fails; the run's others stand
+            else:
+                job.flights[key].finish(data=plain)
+        items = [(key, job.flights[key].data) for key, _ in run if job.flights[key].data is not None]
+        nbytes = sum(len(d or b"") for _, d in items)
+        if not background and self._nursery is not None and self._budget.acquire_nowait(nbytes):
+            # Let the foreground read return now; the cache write finishes in the background.
+            flights = {key: job.flights[key] for key, _ in items}
+            for flight in flights.values():
+                flight.storing = True
+            self._nursery.start_soon(self._store_later, items, flights, min(nbytes, self._budget.capacity))
+        else:
+            stored = await self._cache_put_many(items)
+            self.stats.cache_put_failures += len(items) - stored
+
+    async def _store_later(
+        self, items: list[tuple[str, bytes | None]], flights: dict[str, _Flight], held: int
+    ) -> None:
+        try:
+            stored = await self._cache_put_many(items)
+            self.stats.cache_put_failures += len(items) - stored
+        except Exception as exc:  # a failed cache write must not take the reader's nursery down
+            log.warning("storing %d chunks failed: %s", len(items), exc)
+        finally:
+            self._budget.release(held)
+            for key, flight in flights.items():
+                self._forget_flight(key, flight)
+
+    async def _fetch(self, blob: int, offset: int, length: int) -> bytes:
+        self.stats.requests += 1
+        try:
+            data = await self.source.read_range(blob, offset, length)
+        except SnapshotterError:
+            raise
+        except (OSError, ValueError) as exc:
+            raise FetchError(f"blob {self._blob_name(blob)} range {offset}+{length}: {exc}") from exc
+        if len(data) != length:
+            raise FetchError(
+                f"blob {self._blob_name(blob)} range {offset}+{length}: source answered {len(data)} bytes"
+            )
+        self.stats.fetched_bytes += length
+        return data
+
+    @classmethod
+    def _decode_all(cls, pieces: list[tuple[str, Chunk, bytes]]) -> list[bytes | FormatError]:
+        out: list[bytes | FormatError] = []
+        for key, chunk, data in pieces:
+            try:
+                out.append(cls._decode(key, chunk, data))
+            except FormatError as exc:
+                out.append(exc)
+        return out
+
+    @staticmethod
+    def _decode(key: str, chunk: Chunk, data: bytes) -> bytes:
+        """Decompress and verify one chunk (runs in a worker thread)."""
+        what = f"chunk {key} (blob offset {chunk.blob_offset})"
+        try:
+            plain = decompress_chunk(chunk, data)
+        except DigestMismatch:
+            raise
+        except FormatError as exc:
+            if chunk.digest is not None:
+                raise DigestMismatch(f"{what}: compressed bytes do not decode: {exc}") from exc
+            raise
+        if chunk.digest is not None:
+            try:
+                check_digest(chunk.digest, plain, what)
+            except ImportError as exc:
+                raise FormatError(f"{what}: cannot verify {chunk.digest.split(':')[0]}: {exc}") from exc
+        return plain
+
+    def _blob_name(self, blob: int) -> str:
+        return self.blobs[blob] if 0 <= blob < len(self.blobs) else f"#{blob}"
+
+    # -- cache access (worker threads) -------------------------------------------------------
+
+    async def _cache_get_many(self, wanted: list[tuple[str, int, int | None]]) -> dict[int, bytes]:
+        """Cached bytes of (key, offset, size) requests (size None: to the end), by position."""
+        cache = self.cache
+        if cache is None or not wanted:
+            return {}
+        verify = self.config.verify_cached
+
+        def get_all() -> dict[int, bytes]:
+            found: dict[int, bytes] = {}
+            for i, (key, off, size) in enumerate(wanted):
+                if not (verify and is_digest_key(key)):
+                    data = cache.get(key, off, size)
+                    if data is not None:
+                        found[i] = data
+                    continue
+                whole = cache.get(key)
+                if whole is None:
+                    continue
+                try:
+                    check_digest(key, whole, f"cached chunk {key}")
+                except (FormatError, ImportError) as exc:
+                    log.error("%s; dropping it from the cache", exc)
+                    cache.discard(key)
+                    continue
+                found[i] = whole[off:] if size is None else whole[off:off + size]
+            return found
+
+        try:
+            found = await trio.to_thread.run_sync(get_all, limiter=self._cache_limiter)
+        except CacheError as exc:
+            log.warning("%s", exc)
+            return {}
+        self.stats.cache_hits += len(found)
+        return found
+
+    async def _cache_put_many(self, items: list[tuple[str, bytes | None]]) -> int:
+        """Store verified chunks; returns how many the cache took."""
+        cache = self.cache
+        if cache is None or not items:
+            return 0
+
+        def put_all() -> int:
+            n = 0
+            for key, data in items:
+                if data is None:
+                    continue
+                try:
+                    n += cache.put(key, data)
+                except CacheError as exc:
+                    log.warning("%s", exc)
+            return n
+
+        return await trio.to_thread.run_sync(put_all, limiter=self._cache_limiter)
+
+    # -- read-ahead --------------------------------------------------------------------------
+
+    def _note_access(self, entry: Entry, offset: int, end: int, last: Chunk) -> None:
+        cfg = self.config
+        if self._nursery is None or self.cache is None or cfg.readahead_bytes <= 0:
+            return
+        st = self._seq.pop(entry.name, None)
+        # Parallel kernel read-ahead can reorder reads a little: near the last end counts.
+        if st is not None and abs(offset - st.next_offset) <= _SEQ_SLACK:
+            st.streak += 1
+            st.next_offset = max(st.next_offset, end)
+        else:
+            st = _SeqState(next_offset=end, streak=1, ahead_until=0)
+        self._seq[entry.name] = st
+        while len(self._seq) > _MAX_SEQ_TRACKED:
+            self._seq.popitem(last=False)
+        if st.streak < cfg.readahead_trigger or self._readahead_tasks >= cfg.max_readahead_tasks:
+            return
+        window_end = min(end + cfg.readahead_bytes, entry.size)
+        begin = max(last.end, st.ahead_until)
+        # Refill only when less than half the window is left ahead of the reader.
+        if begin >= window_end or st.ahead_until - end > cfg.readahead_bytes // 2:
+            return
+        ahead = entry.chunks_for(begin, window_end - begin)
+        if not ahead:
+            return
+        st.ahead_until = ahead[-1].end
+        self._readahead_tasks += 1
+        self._nursery.start_soon(self._readahead, tuple(ahead))
+
+    async def _readahead(self, chunks: Sequence[Chunk]) -> None:
+        try:
+            await self._ensure_cached(chunks, background=True)
+        except Exception as exc:  # a failed read-ahead only costs a later foreground fetch
+            log.info("read-ahead of %d chunks failed: %s", len(chunks), exc)
+        finally:
+            self._readahead_tasks -= 1
+
+    async def _ensure_cached(self, chunks: Sequence[Chunk], *, background: bool) -> None:
+        """Fetch into the cache the chunks that are neither cached nor being fetched."""
+        cache = self.cache
+        if cache is None or not chunks:
+            return
+        by_key = {self.key_for(c): c for c in chunks}
+        present = await trio.to_thread.run_sync(cache.present, list(by_key), limiter=self._cache_limiter)
+        job = _Job()
+        for key, chunk in by_key.items():
+            if key in present or key in self._flights:
+                continue
+            job.chunks[key] = chunk
+            job.flights[key] = self._flights[key] = _Flight()
+        if not job.chunks:
+            return
+        await self._lead(job, background)
+        if not background:
+            for flight in job.flights.values():
+                if flight.error is not None:
+                    raise flight.error
+
+
+@asynccontextmanager
+async def open_layer_reader(
+    source: RangeSource,
+    *,
+    blobs: Sequence[str],
+    cache: ChunkCache | None,
+    config: ReaderConfig | None = None,
+) -> AsyncIterator[LayerReader]:
+    """A LayerReader with its own nursery for read-ahead; background work stops on exit.
+
+    An exception from the body comes out as itself, not wrapped in an ExceptionGroup.
+    """
+    try:
+        async with trio.open_nursery() as nursery:
+            reader = LayerReader(source, blobs=blobs, cache=cache, config=config, nursery=nursery)
+            try:
+                yield reader
+            finally:
+                nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise

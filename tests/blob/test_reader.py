@@ -1,0 +1,543 @@
+"""LayerReader over a file-backed RangeSource: bytes, single flight, verification, timeouts."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import tempfile
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from snapshotter.cache import ChunkCache
+from snapshotter.errors import DigestMismatch, FetchError, FormatError
+from snapshotter.formats.index import Chunk, Entry
+from snapshotter.reader import FileRangeSource, LayerReader, ReaderConfig, chunk_key, open_layer_reader
+from tests.blob.blobs import BuiltBlob, build_blob, file_bytes
+
+CHUNK = 64 << 10
+LAYER = "sha256:" + "1" * 64
+
+
+def make_files(seed: int = 1) -> dict[str, bytes]:
+    rng = random.Random(seed)
+    return {
+        "big": file_bytes(rng, 20 * CHUNK + 1234),
+        "small": file_bytes(rng, 300),
+        "exact": file_bytes(rng, 3 * CHUNK),
+        "empty": b"",
+    }
+
+
+@pytest.fixture(scope="module")
+def blob() -> BuiltBlob:
+    d = Path(tempfile.mkdtemp(prefix="blobtest-"))
+    return build_blob(d / "layer.blob", make_files(), chunk_size=CHUNK)
+
+
+class CountingSource(FileRangeSource):
+    """Records every range asked for; can corrupt answers, delay them, or hang."""
+
+    def __init__(self, paths: Sequence[Path], *, delay: float = 0.0) -> None:
+        super().__init__(paths)
+        self.calls: list[tuple[int, int, int]] = []
+        self.delay = delay
+        self.corrupt_times = 0  # corrupt this many answers (one byte flipped mid-range)
+        self.hang = False
+        self.outstanding = 0
+        self.max_outstanding = 0
+
+    async def read_range(self, blob: int, offset: int, length: int) -> bytes:
+        self.calls.append((blob, offset, length))
+        self.outstanding += length
+        self.max_outstanding = max(self.max_outstanding, self.outstanding)
+        try:
+            if self.hang:
+                await trio.sleep_forever()
+            if self.delay:
+                await trio.sleep(self.delay)
+            data = await super().read_range(blob, offset, length)
+        finally:
+            self.outstanding -= length
+        if self.corrupt_times > 0:
+            self.corrupt_times -= 1
+            mid = length // 2
+            data = data[:mid] + bytes([data[mid] ^ 0xFF]) + data[mid + 1:]
+        return data
+
+    def fetches_per_chunk(self, chunks: Sequence[Chunk]) -> Counter[int]:
+        """How many requested ranges covered each chunk (by blob offset)."""
+        count: Counter[int] = Counter()
+        for c in chunks:
+            for _, off, n in self.calls:
+                if off <= c.blob_offset and c.blob_offset + c.blob_size <= off + n:
+                    count[c.blob_offset] += 1
+        return count
+
+
+def all_chunks(b: BuiltBlob) -> list[Chunk]:
+    return [c for e in b.entries.values() for c in e.chunks]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    name=st.sampled_from(["big", "small", "exact", "empty"]),
+    offset=st.integers(0, 22 * CHUNK),
+    size=st.integers(0, 5 * CHUNK),
+    use_cache=st.booleans(),
+    merge=st.sampled_from([1, CHUNK, 4 << 20]),
+)
+def test_random_reads_match_file(
+    blob: BuiltBlob, tmp_path: Path, name: str, offset: int, size: int, use_cache: bool, merge: int
+) -> None:
+    cache = ChunkCache(tmp_path / "cache", 4 * CHUNK) if use_cache else None
+    expected = blob.contents[name][offset:offset + size]
+
+    async def main() -> bytes:
+        reader = LayerReader(
+            FileRangeSource([blob.path]), blobs=[LAYER], cache=cache, config=ReaderConfig(max_merge_bytes=merge)
+        )
+        first = await reader.read(blob.entries[name], offset, size)
+        again = await reader.read(blob.entries[name], offset, size)  # possibly from the cache
+        assert again == first
+        return first
+
+    assert trio.run(main) == expected
+    if cache is not None:
+        assert cache.usage().bytes <= 4 * CHUNK
+
+
+def test_concurrent_readers_fetch_each_chunk_once(blob: BuiltBlob, tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, 1 << 30)
+    source = CountingSource([blob.path], delay=0.01)
+    rng = random.Random(5)
+    reads = [(n, rng.randrange(len(blob.contents[n]) or 1), rng.randrange(1, 3 * CHUNK))
+             for n in ("big", "exact", "small") for _ in range(40)]
+    results: dict[int, bytes] = {}
+
+    async def main() -> None:
+        reader = LayerReader(source, blobs=[LAYER], cache=cache)
+
+        async def one(i: int, name: str, off: int, size: int) -> None:
+            results[i] = await reader.read(blob.entries[name], off, size)
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                for i, (name, off, size) in enumerate(reads):
+                    nursery.start_soon(one, i, name, off, size)
+
+    trio.run(main)
+    for i, (name, off, size) in enumerate(reads):
+        assert results[i] == blob.contents[name][off:off + size]
+    counts = source.fetches_per_chunk(all_chunks(blob))
+    assert counts and max(counts.values()) == 1, counts
+
+
+def test_single_flight_without_cache(blob: BuiltBlob) -> None:
+    source = CountingSource([blob.path], delay=0.05)
+    entry = blob.entries["exact"]
+
+    async def main() -> list[bytes]:
+        reader = LayerReader(source, blobs=[LAYER], cache=None)
+        out: list[bytes] = []
+
+        async def one() -> None:
+            out.append(await reader.read(entry, 0, entry.size))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(20):
+                nursery.start_soon(one)
+        return out
+
+    out = trio.run(main)
+    assert out == [blob.contents["exact"]] * 20
+    assert len(source.calls) == 1  # three adjacent chunks, one merged request, shared by all 20
+
+
+def test_corrupt_source_refetches_once_then_digest_mismatch(blob: BuiltBlob, tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, 1 << 30)
+    source = CountingSource([blob.path])
+    entry = blob.entries["small"]
+    source.corrupt_times = 1_000
+
+    async def read() -> bytes:
+        reader = LayerReader(source, blobs=[LAYER], cache=cache)
+        return await reader.read(entry, 0, entry.size)
+
+    with pytest.raises(DigestMismatch):
+        trio.run(read)
+    assert len(source.calls) == 2
+    assert cache.usage().chunks == 0 and cache.get(entry.chunks[0].digest or "") is None
+
+    # Corrupt once only: the refetch heals it, and only good bytes are cached.
+    source.calls.clear()
+    source.corrupt_times = 1
+    assert trio.run(read) == blob.contents["small"]
+    assert len(source.calls) == 2
+    assert cache.get(entry.chunks[0].digest or "") == blob.contents["small"]
+
+
+def test_corrupt_cached_chunk_is_not_served_with_verify_cached(blob: BuiltBlob, tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, 1 << 30)
+    entry = blob.entries["small"]
+    key = entry.chunks[0].digest or ""
+    cache.put(key, b"x" * entry.size)  # same size, wrong bytes: only a digest check catches it
+
+    async def read() -> bytes:
+        reader = LayerReader(
+            FileRangeSource([blob.path]), blobs=[LAYER], cache=cache, config=ReaderConfig(verify_cached=True)
+        )
+        return await reader.read(entry, 0, entry.size)
+
+    assert trio.run(read) == blob.contents["small"]
+    assert cache.get(key) == blob.contents["small"]
+
+
+def test_fetch_timeout_raises_fetch_error_within_bound(blob: BuiltBlob) -> None:
+    source = CountingSource([blob.path])
+    source.hang = True
+    entry = blob.entries["big"]
+    errors: list[BaseException] = []
+
+    async def main() -> float:
+        reader = LayerReader(source, blobs=[LAYER], cache=None, config=ReaderConfig(fetch_timeout=0.3))
+        start = trio.current_time()
+
+        async def one() -> None:
+            try:
+                await reader.read(entry, 0, 1000)
+            except FetchError as exc:
+                errors.append(exc)
+
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                for _ in range(3):  # one leader, two waiters: all get the error
+                    nursery.start_soon(one)
+        return trio.current_time() - start
+
+    elapsed = trio.run(main)
+    assert len(errors) == 3
+    assert elapsed < 1.5
+    assert len(source.calls) == 1
+
+
+def test_leader_cancelled_waiter_takes_over(blob: BuiltBlob) -> None:
+    source = CountingSource([blob.path], delay=0.2)
+    entry = blob.entries["small"]
+
+    async def main() -> bytes | None:
+        reader = LayerReader(source, blobs=[LAYER], cache=None)
+        result: list[bytes] = []
+
+        async def waiter() -> None:
+            result.append(await reader.read(entry, 0, entry.size))
+
+        async with trio.open_nursery() as nursery:
+            with trio.move_on_after(0.05):  # the leader gives up (a FUSE interrupt)
+                async with trio.open_nursery() as inner:
+                    inner.start_soon(reader.read, entry, 0, entry.size)
+                    await trio.sleep(0.01)
+                    nursery.start_soon(waiter)
+                    await trio.sleep_forever()
+        return result[0] if result else None
+
+    assert trio.run(main) == blob.contents["small"]
+    assert len(source.calls) == 2
+
+
+def test_memory_budget_bounds_bytes_in_flight(blob: BuiltBlob) -> None:
+    source = CountingSource([blob.path], delay=0.02)
+    entry = blob.entries["big"]
+    biggest = max(c.blob_size + c.inner_offset + c.size for c in entry.chunks)
+    budget = 2 * biggest
+    config = ReaderConfig(max_inflight_bytes=budget, max_merge_bytes=1)
+
+    async def main() -> None:
+        reader = LayerReader(source, blobs=[LAYER], cache=None, config=config)
+        async with trio.open_nursery() as nursery:
+            for c in entry.chunks:
+                nursery.start_soon(reader.read, entry, c.file_offset, c.size)
+
+    trio.run(main)
+    assert len(source.calls) == len(entry.chunks)
+    assert source.max_outstanding <= budget
+
+
+def test_sequential_reads_trigger_readahead(blob: BuiltBlob, tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, 1 << 30)
+    source = CountingSource([blob.path])
+    entry = blob.entries["big"]
+    config = ReaderConfig(readahead_bytes=6 * CHUNK, readahead_trigger=2, max_merge_bytes=1)
+
+    async def main() -> None:
+        async with open_layer_reader(source, blobs=[LAYER], cache=cache, config=config) as reader:
+            step = 32 << 10
+            for off in range(0, 2 * CHUNK, step):
+                assert await reader.read(entry, off, step) == blob.contents["big"][off:off + step]
+            with trio.fail_after(10):
+                while reader.stats.readahead_chunks < 4:
+                    await trio.sleep(0.01)
+            before = len(source.calls)
+            # The next chunks come from the cache: no new requests for them.
+            got = await reader.read(entry, 2 * CHUNK, 3 * CHUNK)
+            assert got == blob.contents["big"][2 * CHUNK:5 * CHUNK]
+            assert len(source.calls) == before or all(off >= 5 * CHUNK for _, off, _ in source.calls[before:])
+
+    trio.run(main)
+    counts = source.fetches_per_chunk(entry.chunks)
+    assert max(counts.values()) == 1
+
+
+def test_two_layers_sharing_content_store_it_once(tmp_path: Path) -> None:
+    files = make_files(7)
+    a = build_blob(tmp_path / "a.blob", files, chunk_size=CHUNK, seed=1)
+    b = build_blob(tmp_path / "b.blob", {"renamed": files["big"]}, chunk_size=CHUNK, seed=2, lead=b"other layer")
+    assert a.path.read_bytes() != b.path.read_bytes()
+    cache = ChunkCache(tmp_path / "cache", 1 << 30)
+    src_b = CountingSource([b.path])
+
+    async def main() -> None:
+        ra = LayerReader(FileRangeSource([a.path]), blobs=["sha256:" + "a" * 64], cache=cache)
+        rb = LayerReader(src_b, blobs=["sha256:" + "b" * 64], cache=cache)
+        e = a.entries["big"]
+        assert await ra.read(e, 0, e.size) == files["big"]
+        used = cache.usage()
+        assert used.bytes == len(files["big"])
+        e2 = b.entries["renamed"]
+        assert await rb.read(e2, 0, e2.size) == files["big"]
+        assert cache.usage() == used
+
+    trio.run(main)
+    assert src_b.calls == []
+
+
+def test_digestless_chunks_keyed_by_blob_position(tmp_path: Path) -> None:
+    files = make_files(3)
+    b = build_blob(tmp_path / "n.blob", files, chunk_size=CHUNK, digests=False)
+    cache = ChunkCache(tmp_path / "cache", 1 << 30)
+    source = CountingSource([b.path])
+
+    async def main() -> None:
+        for _ in range(2):
+            reader = LayerReader(source, blobs=[LAYER], cache=cache)
+            for name, e in b.entries.items():
+                assert await reader.read(e, 0, e.size) == files[name]
+
+    trio.run(main)
+    assert cache.usage().chunks == sum(len(e.chunks) for e in b.entries.values())
+    assert max(source.fetches_per_chunk(all_chunks(b)).values()) == 1
+
+
+def test_unsupported_digest_and_short_source(tmp_path: Path, blob: BuiltBlob) -> None:
+    e = blob.entries["small"]
+    c = e.chunks[0]
+    bad = Entry(name="x", type=e.type, size=e.size, chunks=(Chunk(
+        file_offset=0, size=c.size, blob_offset=c.blob_offset, blob_size=c.blob_size,
+        compression=c.compression, digest="sha512:" + "0" * 128, inner_offset=c.inner_offset),))
+    beyond = Entry(name="y", type=e.type, size=e.size, chunks=(Chunk(
+        file_offset=0, size=c.size, blob_offset=blob.path.stat().st_size - 10, blob_size=100,
+        compression=c.compression, digest=c.digest),))
+
+    async def read(entry: Entry) -> bytes:
+        reader = LayerReader(FileRangeSource([blob.path]), blobs=[LAYER], cache=None)
+        return await reader.read(entry, 0, entry.size)
+
+    with pytest.raises(FormatError):
+        trio.run(read, bad)
+    with pytest.raises(FetchError):
+        trio.run(read, beyond)
+
+
+def test_file_source_digest_of_whole_read_matches(blob: BuiltBlob) -> None:
+    async def main() -> str:
+        reader = LayerReader(FileRangeSource([blob.path]), blobs=[LAYER], cache=None)
+        e = blob.entries["big"]
+        h = hashlib.sha256()
+        for off in range(0, e.size, 100_000):
+            h.update(await reader.read(e, off, 100_000))
+        return h.hexdigest()
+
+    assert trio.run(main) == hashlib.sha256(blob.contents["big"]).hexdigest()
+
+
+def test_prefetch_with_pin_survives_eviction(blob: BuiltBlob, tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, 1 << 30)
+    source = CountingSource([blob.path])
+    entry = blob.entries["exact"]
+
+    async def main() -> None:
+        reader = LayerReader(source, blobs=[LAYER], cache=cache)
+        await reader.prefetch(entry, pin=True)
+        assert len(source.calls) == 1
+        await reader.read(blob.entries["small"], 0, 300)
+        cache.evict_to(0)
+        assert await reader.read(entry, 0, entry.size) == blob.contents["exact"]
+        assert len(source.calls) == 2  # the prefetch and "small"; the pinned file was kept
+        await reader.unpin(entry)
+        cache.evict_to(0)
+        assert cache.usage().chunks == 0
+
+    trio.run(main)
+
+
+def test_concurrent_readers_with_readahead_and_tiny_cache(blob: BuiltBlob, tmp_path: Path) -> None:
+    """Eviction under the readers' feet (cap of 4 chunks) never yields wrong bytes."""
+    cache = ChunkCache(tmp_path, 4 * CHUNK, touch_interval=0)
+    source = CountingSource([blob.path], delay=0.002)
+    rng = random.Random(9)
+    config = ReaderConfig(readahead_bytes=3 * CHUNK, readahead_trigger=1, max_inflight_bytes=6 * CHUNK)
+    bad: list[tuple[str, int, int]] = []
+
+    async def main() -> None:
+        async with open_layer_reader(source, blobs=[LAYER], cache=cache, config=config) as reader:
+
+            async def sequential(name: str, start: int) -> None:
+                e = blob.entries[name]
+                for off in range(start, e.size, 40_000):
+                    if await reader.read(e, off, 40_000) != blob.contents[name][off:off + 40_000]:
+                        bad.append((name, off, 40_000))
+
+            async def scattered() -> None:
+                for _ in range(20):
+                    name = rng.choice(["big", "exact", "small"])
+                    off, size = rng.randrange(blob.entries[name].size), rng.randrange(1, 2 * CHUNK)
+                    if await reader.read(blob.entries[name], off, size) != blob.contents[name][off:off + size]:
+                        bad.append((name, off, size))
+
+            with trio.fail_after(60):
+                async with trio.open_nursery() as nursery:
+                    for i in range(4):
+                        nursery.start_soon(sequential, "big", i * 5 * CHUNK)
+                    nursery.start_soon(sequential, "exact", 0)
+                    for _ in range(4):
+                        nursery.start_soon(scattered)
+        assert cache.usage().bytes <= 4 * CHUNK
+
+    trio.run(main)
+    assert bad == []
+
+
+def test_open_layer_reader_reraises_plain_exception(blob: BuiltBlob) -> None:
+    source = CountingSource([blob.path])
+    source.hang = True
+
+    async def main() -> None:
+        config = ReaderConfig(fetch_timeout=0.1)
+        async with open_layer_reader(source, blobs=[LAYER], cache=None, config=config) as reader:
+            await reader.read(blob.entries["small"], 0, 10)
+
+    with pytest.raises(FetchError):
+        trio.run(main)
+
+
+def test_blake3_chunks_verified(tmp_path: Path) -> None:
+    files = make_files(4)
+    b = build_blob(tmp_path / "b3.blob", files, chunk_size=CHUNK, algo="blake3")
+    assert all((c.digest or "").startswith("blake3:") for c in all_chunks(b))
+    cache = ChunkCache(tmp_path / "cache", 1 << 30)
+    source = CountingSource([b.path])
+
+    async def read(name: str) -> bytes:
+        reader = LayerReader(source, blobs=[LAYER], cache=cache)
+        e = b.entries[name]
+        return await reader.read(e, 0, e.size)
+
+    assert trio.run(read, "big") == files["big"]
+    assert cache.contains(b.entries["big"].chunks[0].digest or "")
+    source.corrupt_times = 2
+    with pytest.raises(DigestMismatch):
+        trio.run(read, "small")
+    assert not cache.contains(b.entries["small"].chunks[0].digest or "")
+
+
+def test_gc_with_chunk_keys_of_live_layers(tmp_path: Path) -> None:
+    live = build_blob(tmp_path / "live.blob", make_files(1), chunk_size=CHUNK, seed=1)
+    dead = build_blob(tmp_path / "dead.blob", make_files(2), chunk_size=CHUNK, seed=2, digests=False)
+    cache = ChunkCache(tmp_path / "cache", 1 << 30)
+    blobs = {"live": ["sha256:" + "c" * 64], "dead": ["sha256:" + "d" * 64]}
+
+    async def fill() -> None:
+        for name, b in (("live", live), ("dead", dead)):
+            reader = LayerReader(FileRangeSource([b.path]), blobs=blobs[name], cache=cache)
+            for e in b.entries.values():
+                await reader.read(e, 0, e.size)
+
+    trio.run(fill)
+    referenced = {chunk_key(c, blobs["live"]) for c in all_chunks(live)}
+    removed = cache.gc(referenced)
+    assert removed.chunks == len(all_chunks(dead))
+    assert cache.present(referenced) == referenced
+    assert cache.usage().bytes == sum(len(v) for v in live.contents.values())
+
+
+def test_oversized_chunk_refused_before_fetching(blob: BuiltBlob) -> None:
+    from snapshotter.errors import LimitExceeded
+
+    source = CountingSource([blob.path])
+    e = blob.entries["big"]
+
+    async def main() -> None:
+        reader = LayerReader(source, blobs=[LAYER], cache=None, config=ReaderConfig(max_chunk_bytes=CHUNK // 2))
+        await reader.read(e, 0, 10)
+
+    with pytest.raises(LimitExceeded):
+        trio.run(main)
+    assert source.calls == []
+
+
+def test_reading_three_times_the_cap_through_the_reader(blob: BuiltBlob, tmp_path: Path) -> None:
+    e = blob.entries["big"]
+    cap = e.size // 3
+    cache = ChunkCache(tmp_path, cap, touch_interval=0)
+
+    async def main() -> None:
+        async with open_layer_reader(FileRangeSource([blob.path]), blobs=[LAYER], cache=cache) as reader:
+            for _ in range(3):
+                for off in range(0, e.size, 128 << 10):
+                    assert await reader.read(e, off, 128 << 10) == blob.contents["big"][off:off + (128 << 10)]
+                    assert cache.usage().bytes <= cap
+
+    trio.run(main)
+    assert 0 < cache.usage().bytes <= cap
+
+
+def test_one_corrupt_chunk_in_a_merged_run_fails_alone(blob: BuiltBlob) -> None:
+    e = blob.entries["exact"]  # three adjacent chunks, fetched as one run
+    bad = e.chunks[1]
+
+    class CorruptOne(CountingSource):
+        async def read_range(self, blob_i: int, offset: int, length: int) -> bytes:
+            data = bytearray(await super().read_range(blob_i, offset, length))
+            pos = bad.blob_offset + bad.blob_size // 2 - offset
+            if 0 <= pos < length:
+                data[pos] ^= 0xFF
+            return bytes(data)
+
+    source = CorruptOne([blob.path], delay=0.05)
+    outcome: dict[str, object] = {}
+
+    async def whole(reader: LayerReader) -> None:
+        try:
+            await reader.read(e, 0, e.size)
+        except DigestMismatch as exc:
+            outcome["whole"] = exc
+
+    async def last_chunk(reader: LayerReader) -> None:
+        await trio.sleep(0.01)  # joins the run's flight for chunk 2 (after the bad one)
+        outcome["last"] = await reader.read(e, 2 * CHUNK, 100)
+
+    async def main() -> None:
+        reader = LayerReader(source, blobs=[LAYER], cache=None)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(whole, reader)
+            nursery.start_soon(last_chunk, reader)
+
+    trio.run(main)
+    assert isinstance(outcome["whole"], DigestMismatch)
+    assert outcome["last"] == blob.contents["exact"][2 * CHUNK:2 * CHUNK + 100]  # good chunk served
+    assert len(source.calls) == 2  # the run, and one refetch of the bad chunk only

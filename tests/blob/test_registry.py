@@ -1,0 +1,74 @@
+"""LayerReader through the real registry client against a real `docker-registry` on 127.0.0.1."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from snapshotter.cache import ChunkCache
+from snapshotter.errors import FetchError
+from snapshotter.fetch import FetchConfig, RegistryClient
+from snapshotter.reader import LayerReader, ReaderConfig, RegistryRangeSource
+from tests.blob.blobs import build_blob, file_bytes
+from tests.fetch.registry import RegistryProcess, push_blob, start_registry
+
+FAST = FetchConfig(retries=1, backoff_initial=0.01, backoff_max=0.05, connect_timeout=2.0,
+                   read_timeout=5.0, request_timeout=15.0)
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryProcess]:
+    reg = start_registry(tmp_path_factory.mktemp("blob-registry"))
+    try:
+        yield reg
+    finally:
+        reg.stop()
+
+
+def test_reads_through_registry_client(registry: RegistryProcess, tmp_path: Path) -> None:
+    rng = random.Random(11)
+    files = {"a": file_bytes(rng, 3_000_000), "b": file_bytes(rng, 1000)}
+    built = build_blob(tmp_path / "l.blob", files, chunk_size=256 << 10)
+    digest = push_blob(registry.url, "test/blob", built.path.read_bytes())
+    cache = ChunkCache(tmp_path / "cache", 1 << 30)
+    rng2 = random.Random(3)
+    reads = [(n, rng2.randrange(len(files[n])), rng2.randrange(1, 600_000)) for n in ("a", "b") for _ in range(30)]
+
+    async def main() -> tuple[dict[int, bytes], int]:
+        async with RegistryClient(FAST) as client:
+            source = RegistryRangeSource(client, f"{registry.host}/test/blob", [digest])
+            reader = LayerReader(source, blobs=[digest], cache=cache)
+            out: dict[int, bytes] = {}
+
+            async def one(i: int, name: str, off: int, size: int) -> None:
+                out[i] = await reader.read(built.entries[name], off, size)
+
+            with trio.fail_after(60):
+                async with trio.open_nursery() as nursery:
+                    for i, r in enumerate(reads):
+                        nursery.start_soon(one, i, *r)
+            return out, reader.stats.chunks_fetched
+
+    out, fetched = trio.run(main)
+    for i, (name, off, size) in enumerate(reads):
+        assert out[i] == files[name][off:off + size]
+    touched = {c.blob_offset for name, off, size in reads for c in built.entries[name].chunks_for(off, size)}
+    assert fetched == len(touched)  # each needed chunk fetched exactly once
+
+
+def test_missing_blob_is_fetch_error(registry: RegistryProcess, tmp_path: Path) -> None:
+    built = build_blob(tmp_path / "m.blob", {"f": b"x" * 1000}, chunk_size=4096)
+    absent = "sha256:" + "0" * 64
+
+    async def main() -> None:
+        async with RegistryClient(FAST) as client:
+            source = RegistryRangeSource(client, f"{registry.host}/test/blob", [absent])
+            reader = LayerReader(source, blobs=[absent], cache=None, config=ReaderConfig(fetch_timeout=20))
+            await reader.read(built.entries["f"], 0, 1000)
+
+    with pytest.raises(FetchError):
+        trio.run(main)
