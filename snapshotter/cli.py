@@ -31,6 +31,17 @@ def _serve(args: argparse.Namespace) -> int:
     return daemon.run(config)
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from snapshotter.inspect import inspect
+
+    config = load_config(args.config, required=args.config is not None)
+    json.dump(inspect(args.target, config), sys.stdout, indent=1)
+    sys.stdout.write("\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="snapshotter", description="A lazy-pulling containerd snapshotter.")
     parser.add_argument("--version", action="version", version=f"snapshotter {__version__}")
@@ -42,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", type=Path, help=f"TOML config file (default {DEFAULT_CONFIG_PATH} if present)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=_serve)
+
+    insp = sub.add_parser("inspect", help="print a layer's (or every layer of an image's) index as JSON")
+    insp.add_argument("target", metavar="FILE_OR_REF", help="a layer blob, a Nydus bootstrap, or an image ref")
+    insp.add_argument("--config", type=Path, help="config file (registry hosts, credentials, limits)")
+    insp.set_defaults(func=_inspect)
     return parser
 
 

@@ -146,6 +146,12 @@ def parse_config(text: str, *, path: str = "<config>") -> Config:
     return config
 
 
+def config_from_mapping(data: dict[str, Any], *, path: str = "<mapping>") -> Config:
+    """A Config from already-parsed data (e.g. dataclasses.asdict of one), validated like a file."""
+    config: Config = _build(Config, data, path=path, text="", section=None)
+    return config
+
+
 def load_config(path: Path | None, *, required: bool = False) -> Config:
     """Read `path` (default /etc/snapshotter/config.toml). A missing default file gives defaults;
     a missing file named explicitly (`required`) is an error."""

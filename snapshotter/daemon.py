@@ -18,10 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from prometheus_client import start_http_server
 
+from snapshotter import metrics
 from snapshotter.config import Config
 from snapshotter.errors import SnapshotterError
 from snapshotter.grpcapi import SnapshotsServicer, add_to_server
+from snapshotter.remote.backend import RemoteBackend
+from snapshotter.remote.mounts import MountManager
 from snapshotter.snapshots.service import Snapshotter
 
 log = logging.getLogger(__name__)
@@ -80,6 +84,7 @@ class Daemon:
     config: Config
     server: grpc.Server | None = None
     snapshotter: Snapshotter | None = None
+    mounter: MountManager | None = None
     _owns_socket: bool = False
 
     def start(self) -> None:
@@ -88,9 +93,16 @@ class Daemon:
         prepare_socket_path(address)
         root.mkdir(parents=True, exist_ok=True)
         self.snapshotter = Snapshotter(root)
+        self.mounter = MountManager(self.config)
+        backend = RemoteBackend(self.snapshotter, self.config, self.mounter)
+        # Adopt surviving mount processes (and clear stale mounts) off the start-up path.
+        threading.Thread(target=self.mounter.adopt, name="adopt-mounts", daemon=True).start()
+        if self.config.metrics_address:
+            host, _, port = self.config.metrics_address.rpartition(":")
+            start_http_server(int(port), addr=host or "127.0.0.1", registry=metrics.REGISTRY)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpc"),
                                   options=[("grpc.max_receive_message_length", 16 << 20)])
-        add_to_server(SnapshotsServicer(self.snapshotter), self.server)
+        add_to_server(SnapshotsServicer(backend, observe=metrics.observe_grpc), self.server)
         old_umask = os.umask(0o117)
         try:
             if self.server.add_insecure_port(f"unix://{address}") == 0:

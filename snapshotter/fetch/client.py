@@ -25,6 +25,7 @@ Contracts:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -252,6 +253,11 @@ class RegistryClient:
         if registry not in self._hosts:
             self._hosts[registry] = load_hosts(self.config.hosts_config_path, registry)
         return self._hosts[registry]
+
+    def use_plain_http(self, registry: str) -> None:
+        """Talk plain HTTP (no TLS attempt) to every host of `registry` (a CLI's --plain-http)."""
+        self._hosts[registry] = tuple(dataclasses.replace(h, scheme="http", http_fallback=False)
+                                      for h in self.hosts(registry))
 
     async def resolve(self, ref: Reference | str) -> Descriptor:
         """Descriptor of the manifest or index `ref` names (HEAD; GET when HEAD says too little)."""

@@ -118,7 +118,7 @@ def _entry(obj: object, pos: int) -> Entry:
         etype = EntryType(_want(o.get("type"), str, what + " type"))
     except ValueError:
         raise FormatError(f"persisted index: {what} has unknown type {o.get('type')!r}") from None
-    ints = {f: _nonneg(o[f], f"{what} {f}") for f in _ENTRY_INT_FIELDS if f in o}
+    ints = {f: _nonneg(o[f], f"{what} {f}") for f in _ENTRY_INT_FIELDS if f in o and f != "mtime_ns"}
     if "mtime_ns" in o:
         ints["mtime_ns"] = _want(o["mtime_ns"], int, what + " mtime_ns")  # may predate the epoch
     digest = o.get("digest")

@@ -116,6 +116,18 @@ class Transaction:
         for row in self._c.execute("SELECT * FROM snapshots ORDER BY id").fetchall():
             yield self._info(row)
 
+    def info_by_id(self, snapshot_id: str) -> Info:
+        row = self._c.execute("SELECT * FROM snapshots WHERE id = ?", (int(snapshot_id),)).fetchone()
+        if row is None:
+            raise NotFound(f"snapshot id {snapshot_id} does not exist")
+        return self._info(row)
+
+    def users_of(self, parent_id: str) -> list[str]:
+        """Keys of active and view snapshots directly on top of snapshot id `parent_id`."""
+        rows = self._c.execute("SELECT key FROM snapshots WHERE parent = ? AND kind IN (?, ?)",
+                               (int(parent_id), int(Kind.ACTIVE), int(Kind.VIEW)))
+        return [r["key"] for r in rows]
+
     def ids(self) -> set[str]:
         return {str(r["id"]) for r in self._c.execute("SELECT id FROM snapshots")}
 
@@ -149,6 +161,12 @@ class Transaction:
         )
         assert cur.lastrowid is not None
         return Snapshot(str(cur.lastrowid), kind, self._parent_ids(parent_id))
+
+    def create_committed(self, name: str, parent: str, labels: Mapping[str, str]) -> Snapshot:
+        """Insert a committed snapshot directly (a remote layer: its files are not in its fs dir)."""
+        snap = self.create(Kind.ACTIVE, name, parent, labels)
+        self._c.execute("UPDATE snapshots SET kind = ? WHERE id = ?", (int(Kind.COMMITTED), int(snap.id)))
+        return Snapshot(snap.id, Kind.COMMITTED, snap.parent_ids)
 
     def commit(self, key: str, name: str, labels: Mapping[str, str], usage: Usage) -> str:
         """Turn active `key` into committed `name` (same id); return the id."""

@@ -11,8 +11,8 @@ the transaction fails. A removed snapshot's directory is renamed to `rm-ID` insi
 and deleted only after it commits. Whatever a crash leaves behind is a directory that no snapshot
 owns, and `cleanup()` removes exactly those.
 
-Lower layers are resolved through `lower_dir(snapshot_id)`, the seam where remote (lazily mounted)
-layers slot in: by default a parent's lower dir is its own fs dir.
+Lower layers are resolved through `lowers(snapshot)`, the seam where remote (lazily mounted)
+layers slot in: by default each parent's lower dir is its own fs dir.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from snapshotter.errors import NotFound
 from snapshotter.snapshots.filters import match_any, parse_filters
-from snapshotter.snapshots.metastore import MetaStore
+from snapshotter.snapshots.metastore import MetaStore, Transaction
 from snapshotter.snapshots.model import Info, Kind, Mount, Snapshot, Usage
 from snapshotter.snapshots.mounts import compute_mounts
 
@@ -77,13 +77,13 @@ def overlay_supports_index_off() -> bool:
 class Snapshotter:
     """containerd's snapshot operations over `root`. Thread-safe."""
 
-    def __init__(self, root: Path, *, lower_dir: Callable[[str], str] | None = None) -> None:
+    def __init__(self, root: Path, *, lowers: Callable[[Snapshot], list[str]] | None = None) -> None:
         self.root = root
         self.snapshots_dir = root / "snapshots"
         self.snapshots_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(root, 0o700)
         self.store = MetaStore(root / "metadata.db")
-        self._lower_dir = lower_dir or self.fs_dir
+        self._lowers = lowers or self.local_lowers
         # Directory renames and Cleanup's directory scan must not interleave.
         self._dirs_lock = threading.RLock()
         self._overlay_options: tuple[str, ...] = ("index=off",) if overlay_supports_index_off() else ()
@@ -96,9 +96,15 @@ class Snapshotter:
     def work_dir(self, snapshot_id: str) -> str:
         return str(self.snapshots_dir / snapshot_id / "work")
 
+    def local_lowers(self, snap: Snapshot) -> list[str]:
+        """Each parent's own fs dir, nearest first (no remote layers)."""
+        return [self.fs_dir(pid) for pid in snap.parent_ids]
+
+    def set_lowers(self, lowers: Callable[[Snapshot], list[str]]) -> None:
+        self._lowers = lowers
+
     def _mounts(self, snap: Snapshot) -> list[Mount]:
-        lowers = [self._lower_dir(pid) for pid in snap.parent_ids]
-        return compute_mounts(snap.kind, snap.id, lowers, upper_dir=self.fs_dir, work_dir=self.work_dir,
+        return compute_mounts(snap.kind, snap.id, self._lowers(snap), upper_dir=self.fs_dir, work_dir=self.work_dir,
                               extra_options=self._overlay_options)
 
     # -- operations -----------------------------------------------------------------------------
@@ -110,17 +116,23 @@ class Snapshotter:
         return self._create(Kind.VIEW, key, parent, labels)
 
     def _create(self, kind: Kind, key: str, parent: str, labels: Mapping[str, str]) -> list[Mount]:
+        snap = self._insert_with_dir(lambda tx: tx.create(kind, key, parent, labels), work=kind is Kind.ACTIVE)
+        return self._mounts(snap)
+
+    def _insert_with_dir(self, insert: Callable[[Transaction], Snapshot], *, work: bool) -> Snapshot:
+        """Build the snapshot's directory under a temp name, insert the record, rename the directory
+        to the new id inside the same transaction; on any failure remove the directory again."""
         with self._dirs_lock:
             tmp = Path(tempfile.mkdtemp(prefix="new-", dir=self.snapshots_dir))
             try:
                 os.chmod(tmp, 0o700)
                 (tmp / "fs").mkdir(mode=0o755)
-                if kind is Kind.ACTIVE:
+                if work:
                     (tmp / "work").mkdir(mode=0o711)
                 with self.store.transaction() as tx:
-                    snap = tx.create(kind, key, parent, labels)
+                    snap = insert(tx)
                     if snap.parent_ids:
-                        st = os.stat(self._lower_dir(snap.parent_ids[0]))
+                        st = os.stat(self.fs_dir(snap.parent_ids[0]))
                         os.chown(tmp / "fs", st.st_uid, st.st_gid)
                     final = self.snapshots_dir / snap.id
                     if final.exists():  # left by a crash before an earlier transaction with this id committed
@@ -129,7 +141,14 @@ class Snapshotter:
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
-        return self._mounts(snap)
+        return snap
+
+    def create_remote(self, name: str, parent: str, labels: Mapping[str, str]) -> Snapshot:
+        """Record a committed snapshot whose files live elsewhere (a lazily mounted layer).
+
+        Its fs dir exists (empty) so Cleanup, ownership and Usage work as for any snapshot.
+        """
+        return self._insert_with_dir(lambda tx: tx.create_committed(name, parent, labels), work=False)
 
     def mounts(self, key: str) -> list[Mount]:
         with self.store.transaction() as tx:
@@ -196,6 +215,16 @@ class Snapshotter:
         """Id, kind and parent ids of any snapshot (for the lazy side and tests)."""
         with self.store.transaction() as tx:
             return tx.snapshot_of(key)
+
+    def infos_by_id(self, ids: Sequence[str]) -> list[Info]:
+        """Info of each snapshot id, in the given order."""
+        with self.store.transaction() as tx:
+            return [tx.info_by_id(i) for i in ids]
+
+    def users_of(self, snapshot_id: str) -> list[str]:
+        """Active/view snapshots whose parent is `snapshot_id` (the containers of an image)."""
+        with self.store.transaction() as tx:
+            return tx.users_of(snapshot_id)
 
     def close(self) -> None:
         self.store.close()

@@ -128,3 +128,18 @@ def test_walk_filters(sn: Snapshotter) -> None:
 
 def test_disk_usage_missing_dir(tmp_path: Path) -> None:
     assert disk_usage(tmp_path / "nope").inodes == 0
+
+
+def test_create_remote_is_committed_and_usable_as_parent(sn: Snapshotter) -> None:
+    sn.prepare("a", "", {})
+    sn.commit("base", "a", {})
+    remote = sn.create_remote("chain-2", "base", {"containerd.io/snapshot/remote": "lazy"})
+    info = sn.stat("chain-2")
+    assert info.kind is Kind.COMMITTED and info.parent == "base"
+    assert remote.parent_ids == (sn.snapshot("base").id,)
+    assert Path(sn.fs_dir(remote.id)).is_dir()
+    (m,) = sn.prepare("ctr", "chain-2", {})
+    assert m.type == "overlay"
+    with pytest.raises(AlreadyExists):
+        sn.create_remote("chain-2", "base", {})
+    assert _dirs(sn) == {sn.snapshot(k).id for k in ("base", "chain-2", "ctr")}

@@ -1,0 +1,1 @@
+"""The per-image FUSE mount: tree merge (tree.py), pyfuse3 Operations (ops.py), process (process.py)."""

@@ -1,0 +1,395 @@
+"""The mount process: one per image, one FUSE mount (`python -m snapshotter.fusefs STATE_FILE`).
+
+The daemon writes a state file (JSON) and starts this process. It loads the persisted layer
+indexes (no registry round trip), merges them (`tree.build_tree`), opens one reader per layer,
+mounts, writes the ready file, and serves until SIGTERM/SIGINT (then unmounts) or until the
+filesystem is unmounted from outside. SIGUSR1 writes the first-read record.
+
+State file, version 1:
+    {
+      "version": 1,                  # optional; other versions are refused
+      "mountpoint": "/var/lib/snapshotter/mnt/<id>",       # an existing directory
+      "ready_file": "/run/snapshotter/<id>.ready",          # optional; written once mounted, removed on exit
+      "record_file": "/run/snapshotter/<id>.record.json",   # optional; first-read order, see below
+      "subtrees": true,              # root holds "0", "1", ... one dir per run (overlay lowerdirs)
+      "opaque_xattrs": ["trusted.overlay.opaque"],          # optional
+      "fetch_timeout": 30.0,         # optional; seconds per FUSE read before EIO
+      "cache_timeout": 86400.0,      # optional; kernel entry/attr cache seconds
+      "max_tasks": 64,               # optional; concurrent FUSE request tasks
+      "runs": [                      # lowest run first; each run lowest layer first
+        [{"digest": "sha256:...",                         # for logs ("layer_digest" also accepted)
+          "index": "/var/lib/snapshotter/layers/<hex>/index.json",   # index_codec.dump_index output
+          "reader": {"kind": "file", "blob_path": "/path/to/blob"}}]  # kind picks a ReaderFactory
+      ]
+    }
+Unknown keys are ignored and the whole document is `MountState.doc`, so a reader factory can
+read daemon settings from it (e.g. a "config" object).
+Reader kinds: "file" (a local copy of the blob; "blob_paths": [...] for multi-blob layers) is
+built in; others are added to `READER_KINDS` (or passed to `main(reader_kinds=...)`): a
+ReaderFactory is `(LayerSpec, LayerIndex, ReaderEnv) -> async context manager of LayerReader`.
+
+Ready file (JSON, written atomically): {"pid", "mountpoint", "inodes", "file_bytes"}.
+Record file (JSON, written atomically on SIGUSR1 and at exit): {"files": [{"path", "layer",
+"name"}, ...]} in first-read order (`ops.ReadRecorder`).
+Exit status: 0 after a clean stop or an external unmount; 2 for a bad state file or index;
+1 when mounting fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import errno
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyfuse3
+import trio
+
+from snapshotter.errors import ConfigError, FetchError, FormatError, SnapshotterError
+from snapshotter.formats.codec import decompress_chunk
+from snapshotter.formats.digest import check_digest
+from snapshotter.formats.index import Chunk, Entry, EntryType, LayerIndex
+from snapshotter.formats.index_codec import load_index
+from snapshotter.fusefs.ops import FsConfig, LayerReader, LazyOperations, ReadRecorder
+from snapshotter.fusefs.tree import DEFAULT_OPAQUE_XATTRS, MountTree, build_tree
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+FSNAME = "lazy"
+MOUNT_OPTIONS = frozenset({f"fsname={FSNAME}", "subtype=snapshotter", "allow_other", "default_permissions", "ro"})
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One layer of the state file."""
+
+    index_path: str
+    reader: Mapping[str, Any]
+    digest: str = ""
+
+
+@dataclass(frozen=True)
+class MountState:
+    """The parsed state file."""
+
+    mountpoint: str
+    runs: tuple[tuple[LayerSpec, ...], ...]
+    ready_file: str | None = None
+    record_file: str | None = None
+    subtrees: bool = True
+    opaque_xattrs: tuple[str, ...] = DEFAULT_OPAQUE_XATTRS
+    fetch_timeout: float = 30.0
+    cache_timeout: float = 24 * 3600.0
+    max_tasks: int = 64
+    doc: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+
+def _get(d: Mapping[str, Any], key: str, kind: type | tuple[type, ...], what: str, default: Any = ...) -> Any:
+    if key not in d:
+        if default is ...:
+            raise ConfigError(f"{what}: missing {key!r}")
+        return default
+    value = d[key]
+    if isinstance(value, bool) and kind in (int, float, (int, float)):
+        raise ConfigError(f"{what}: {key!r} must be a number")
+    if not isinstance(value, kind):
+        raise ConfigError(f"{what}: {key!r} has the wrong type ({type(value).__name__})")
+    return value
+
+
+def parse_state(data: bytes, what: str = "state file") -> MountState:
+    """The MountState in `data`; ConfigError (naming the key) when it is not a valid state file."""
+    try:
+        doc = json.loads(data)
+    except ValueError as exc:
+        raise ConfigError(f"{what}: not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{what}: not a JSON object")
+    if doc.get("version", STATE_VERSION) != STATE_VERSION:
+        raise ConfigError(f"{what}: version {doc.get('version')!r}, expected {STATE_VERSION}")
+    runs = []
+    for r, run in enumerate(_get(doc, "runs", list, what)):
+        if not isinstance(run, list) or not run:
+            raise ConfigError(f"{what}: run {r} must be a non-empty list of layers")
+        specs = []
+        for i, layer in enumerate(run):
+            lw = f"{what}: run {r} layer {i}"
+            if not isinstance(layer, dict):
+                raise ConfigError(f"{lw}: not an object")
+            reader = _get(layer, "reader", dict, lw)
+            _get(reader, "kind", str, lw + " reader")
+            digest = _get(layer, "digest", str, lw, "") or _get(layer, "layer_digest", str, lw, "")
+            specs.append(LayerSpec(index_path=_get(layer, "index", str, lw), reader=reader, digest=digest))
+        runs.append(tuple(specs))
+    if not runs:
+        raise ConfigError(f"{what}: no runs")
+    subtrees = _get(doc, "subtrees", bool, what, True)
+    if not subtrees and len(runs) != 1:
+        raise ConfigError(f"{what}: subtrees=false needs exactly one run, got {len(runs)}")
+    fetch_timeout = float(_get(doc, "fetch_timeout", (int, float), what, 30.0))
+    cache_timeout = float(_get(doc, "cache_timeout", (int, float), what, 24 * 3600.0))
+    max_tasks = _get(doc, "max_tasks", int, what, 64)
+    if not (math.isfinite(fetch_timeout) and fetch_timeout > 0) or not (cache_timeout >= 0) or max_tasks < 1:
+        raise ConfigError(f"{what}: fetch_timeout, cache_timeout or max_tasks out of range")
+    opaque = _get(doc, "opaque_xattrs", list, what, list(DEFAULT_OPAQUE_XATTRS))
+    if not all(isinstance(x, str) for x in opaque):
+        raise ConfigError(f"{what}: opaque_xattrs must be strings")
+    record_file = _get(doc, "record_file", (str, type(None)), what, None)
+    ready_file = _get(doc, "ready_file", (str, type(None)), what, None)
+    return MountState(
+        mountpoint=_get(doc, "mountpoint", str, what), ready_file=ready_file, runs=tuple(runs),
+        record_file=record_file, subtrees=subtrees, opaque_xattrs=tuple(opaque), fetch_timeout=fetch_timeout,
+        cache_timeout=cache_timeout, max_tasks=max_tasks, doc=doc,
+    )
+
+
+def load_tree(state: MountState) -> MountTree:
+    """Load every run's persisted indexes and merge them. FormatError / OSError name the file."""
+    runs: list[list[LayerIndex]] = []
+    for run in state.runs:
+        indexes = []
+        for spec in run:
+            try:
+                data = Path(spec.index_path).read_bytes()
+                indexes.append(load_index(data))
+            except FormatError as exc:
+                raise FormatError(f"layer index {spec.index_path} ({spec.digest or 'no digest'}): {exc}") from None
+        runs.append(indexes)
+    return build_tree(runs, subtrees=state.subtrees, opaque_xattrs=state.opaque_xattrs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Readers
+
+
+@dataclass
+class ReaderEnv:
+    """What a ReaderFactory may use: the process nursery (background tasks), the exit stack
+    (resources closed after unmount), and `shared` for resources built once per process
+    (an HTTP client, the chunk cache) by whichever factory needs them first."""
+
+    nursery: trio.Nursery
+    stack: AsyncExitStack
+    state: MountState
+    shared: dict[str, Any] = field(default_factory=dict)
+
+
+ReaderFactory = Callable[[LayerSpec, LayerIndex, ReaderEnv], AbstractAsyncContextManager[LayerReader]]
+
+
+class FileBlobReader:
+    """A LayerReader over local blob files: pread the chunk's compressed range, decompress,
+    check the chunk digest. Blocking work runs in a worker thread that a timeout abandons."""
+
+    def __init__(self, paths: Sequence[str], name: str = "") -> None:
+        if not paths:
+            raise ConfigError(f"file reader for {name or 'layer'}: no blob paths")
+        self._paths = tuple(paths)
+        self._fds: dict[int, int] = {}
+        self._name = name
+
+    def _fd(self, blob: int) -> int:
+        fd = self._fds.get(blob)
+        if fd is None:
+            if not 0 <= blob < len(self._paths):
+                raise FormatError(f"{self._name}: chunk names blob {blob}, layer has {len(self._paths)}")
+            fd = self._fds[blob] = os.open(self._paths[blob], os.O_RDONLY | os.O_CLOEXEC)
+        return fd
+
+    def _chunk_bytes(self, entry: Entry, c: Chunk) -> bytes:
+        if c.zeros:
+            return bytes(c.size)
+        raw = os.pread(self._fd(c.blob_index), c.blob_size, c.blob_offset)
+        if len(raw) != c.blob_size:
+            raise FetchError(f"{self._paths[c.blob_index]}: short read at {c.blob_offset}+{c.blob_size}")
+        plain = decompress_chunk(c, raw)
+        if c.digest is not None:
+            check_digest(c.digest, plain, f"{self._name} {entry.name!r} chunk at {c.file_offset}")
+        return plain
+
+    def _read_sync(self, entry: Entry, offset: int, size: int) -> bytes:
+        end = min(offset + size, entry.size)
+        if entry.type is not EntryType.REG or offset >= end:
+            return b""
+        chunks = entry.chunks_for(offset, end - offset)
+        if not chunks or chunks[0].file_offset > offset or chunks[-1].end < end:
+            raise FormatError(f"{self._name} {entry.name!r}: no chunks cover [{offset}, {end})")
+        data = b"".join(self._chunk_bytes(entry, c) for c in chunks)
+        start = offset - chunks[0].file_offset
+        return data[start:start + end - offset]
+
+    async def read(self, entry: Entry, offset: int, size: int) -> bytes:
+        return await trio.to_thread.run_sync(self._read_sync, entry, offset, size, abandon_on_cancel=True)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+@asynccontextmanager
+async def file_reader(spec: LayerSpec, index: LayerIndex, env: ReaderEnv) -> AsyncIterator[LayerReader]:
+    """ReaderFactory for {"kind": "file", "blob_path": P} or {"kind": "file", "blob_paths": [P, ...]}."""
+    what = f"layer {spec.digest or spec.index_path} reader"
+    if "blob_paths" in spec.reader:
+        paths = _get(spec.reader, "blob_paths", list, what)
+    else:
+        paths = [_get(spec.reader, "blob_path", str, what)]
+    reader = FileBlobReader([str(p) for p in paths], name=spec.digest or spec.index_path)
+    try:
+        yield reader
+    finally:
+        reader.close()
+
+
+READER_KINDS: dict[str, ReaderFactory] = {"file": file_reader}
+
+
+# ---------------------------------------------------------------------------------------------
+# Serving
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with _suppress_oserror():
+            os.unlink(tmp)
+        raise
+
+
+class _suppress_oserror:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, et: object, ev: object, tb: object) -> bool:
+        return isinstance(ev, OSError)
+
+
+def _detach_stale_mount(mountpoint: str) -> None:
+    """A mount process that died leaves "Transport endpoint is not connected"; detach it."""
+    try:
+        os.stat(mountpoint)
+        return
+    except OSError as exc:
+        if exc.errno != errno.ENOTCONN:
+            raise
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    if libc.umount2(os.fsencode(mountpoint), 2) != 0:  # MNT_DETACH
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot detach stale mount: {os.strerror(err)}", mountpoint)
+    log.warning("detached a stale mount at %s", mountpoint)
+
+
+def write_record(state: MountState, recorder: ReadRecorder) -> None:
+    if state.record_file:
+        _write_atomic(state.record_file, recorder.dump())
+        log.info("wrote first-read record of %d files to %s", len(recorder.paths), state.record_file)
+
+
+async def _watch_signals(state: MountState, recorder: ReadRecorder, stop: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGUSR1) as signals:
+        async for signum in signals:
+            if signum == signal.SIGUSR1:
+                try:
+                    write_record(state, recorder)
+                except OSError as exc:
+                    log.error("cannot write record file: %s", exc)
+            else:
+                log.info("signal %d: unmounting %s", signum, state.mountpoint)
+                stop.cancel()
+                return
+
+
+async def serve(state: MountState, tree: MountTree, reader_kinds: Mapping[str, ReaderFactory]) -> int:
+    """Mount `tree` at state.mountpoint and serve it until stopped; returns the exit status."""
+    layer_specs = [spec for run in state.runs for spec in run]
+    for spec in layer_specs:
+        if spec.reader["kind"] not in reader_kinds:
+            raise ConfigError(f"layer {spec.digest or spec.index_path}: unknown reader kind {spec.reader['kind']!r}")
+    recorder = ReadRecorder()
+    async with AsyncExitStack() as stack:
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        stack.callback(nursery.cancel_scope.cancel)  # runs before the nursery waits for its tasks
+        env = ReaderEnv(nursery=nursery, stack=stack, state=state)
+        readers: list[LayerReader] = []
+        for spec, index in zip(layer_specs, tree.layers, strict=True):
+            factory = reader_kinds[spec.reader["kind"]]
+            readers.append(await stack.enter_async_context(factory(spec, index, env)))
+        ops = LazyOperations(tree, readers, FsConfig(fetch_timeout=state.fetch_timeout,
+                                                     cache_timeout=state.cache_timeout), recorder)
+        _detach_stale_mount(state.mountpoint)
+        try:
+            pyfuse3.init(ops, state.mountpoint, set(MOUNT_OPTIONS))
+        except RuntimeError as exc:
+            log.error("cannot mount %s: %s", state.mountpoint, exc)
+            return 1
+        unmounted_outside = False
+        try:
+            if state.ready_file:
+                _write_atomic(state.ready_file, json.dumps({
+                    "pid": os.getpid(), "mountpoint": state.mountpoint, "inodes": len(tree),
+                    "file_bytes": tree.file_bytes,
+                }).encode())
+            log.info("serving %d inodes from %d layers at %s", len(tree), len(tree.layers), state.mountpoint)
+            async with trio.open_nursery() as inner:
+                inner.start_soon(_watch_signals, state, recorder, inner.cancel_scope)
+                await pyfuse3.main(max_tasks=state.max_tasks)
+                # main() returns by itself only when the kernel ended the session.
+                unmounted_outside = True
+                log.info("%s was unmounted", state.mountpoint)
+                inner.cancel_scope.cancel()
+        finally:
+            pyfuse3.close(unmount=not unmounted_outside)
+            if state.ready_file:
+                with _suppress_oserror():
+                    os.unlink(state.ready_file)
+            with _suppress_oserror():
+                write_record(state, recorder)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None, *, reader_kinds: Mapping[str, ReaderFactory] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m snapshotter.fusefs", description=__doc__.split("\n")[0])
+    parser.add_argument("state_file", help="JSON state file written by the daemon")
+    parser.add_argument("--log-level", default=os.environ.get("SNAPSHOTTER_FUSE_LOG", "INFO"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s fusefs[%(process)d] %(name)s: %(message)s")
+    from snapshotter.fusefs.registry_reader import registry_reader  # the IO stack only the real mounts need
+
+    kinds = {**READER_KINDS, "registry": registry_reader, **(reader_kinds or {})}
+    try:
+        state = parse_state(Path(args.state_file).read_bytes(), args.state_file)
+        tree = load_tree(state)
+    except (OSError, SnapshotterError) as exc:
+        log.error("%s", exc)
+        return 2
+    try:
+        return trio.run(serve, state, tree, kinds)
+    except (OSError, SnapshotterError) as exc:
+        log.error("mount process failed: %s", exc)
+        return 1
+    except BaseExceptionGroup as group:  # from a reader factory inside the nursery
+        ours, rest = group.split((OSError, SnapshotterError))
+        if rest is not None or ours is None:
+            raise
+        log.error("mount process failed: %s", "; ".join(str(e) for e in ours.exceptions))
+        return 1

@@ -1,0 +1,53 @@
+"""The "registry" reader kind of the mount process: chunks fetched lazily from the registry
+through the verified, single-flight layer reader and the shared on-disk chunk cache.
+
+State-file reader spec: {"kind": "registry", "image_ref": REF, "layer_digest": D, "blob_size": N,
+"format": F}; the state's "config" object is the daemon's Config (registry hosts, credentials,
+cache cap, timeouts). One registry client and one cache are shared by all layers of the mount.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from snapshotter.cache import ChunkCache
+from snapshotter.config import Config, config_from_mapping
+from snapshotter.fetch.client import RegistryClient
+from snapshotter.formats.index import LayerIndex
+from snapshotter.fusefs.ops import LayerReader
+from snapshotter.fusefs.process import LayerSpec, ReaderEnv
+from snapshotter.reader import ReaderConfig, RegistryRangeSource, open_layer_reader
+from snapshotter.remote.settings import fetch_config_from
+
+
+def blob_digests(index: LayerIndex, layer_digest: str) -> list[str]:
+    """Registry digests of the index's blobs: eStargz/zstd:chunked name the layer itself; Nydus
+    names blob ids (the hex sha256 of each blob layer)."""
+    if not index.blobs:
+        return [layer_digest]
+    return [b if ":" in b else f"sha256:{b}" for b in index.blobs]
+
+
+async def _shared(env: ReaderEnv) -> tuple[Config, RegistryClient, ChunkCache]:
+    if "registry_client" not in env.shared:
+        config = config_from_mapping(dict(env.state.doc.get("config") or {}), path="mount state config")
+        client = RegistryClient(fetch_config_from(config))
+        await env.stack.enter_async_context(client)
+        cache = ChunkCache(Path(config.root) / "cache", config.cache.max_bytes)
+        env.stack.callback(cache.close)
+        env.shared.update(config=config, registry_client=client, chunk_cache=cache)
+    return env.shared["config"], env.shared["registry_client"], env.shared["chunk_cache"]
+
+
+@asynccontextmanager
+async def registry_reader(spec: LayerSpec, index: LayerIndex, env: ReaderEnv) -> AsyncIterator[LayerReader]:
+    config, client, cache = await _shared(env)
+    digests = blob_digests(index, str(spec.reader["layer_digest"]))
+    source = RegistryRangeSource(client, str(spec.reader["image_ref"]), digests)
+    reader_config = ReaderConfig(fetch_timeout=config.fetch_timeout,
+                                 max_inflight_bytes=config.cache.max_inflight_bytes,
+                                 max_merge_bytes=config.registry.max_merge_bytes)
+    async with open_layer_reader(source, blobs=digests, cache=cache, config=reader_config) as reader:
+        yield reader

@@ -1,0 +1,29 @@
+"""Prometheus metrics of the daemon (served on `metrics_address` when set).
+
+Names and labels are documented in docs/metrics.md; where stargz-snapshotter has an equivalent
+metric the docs say which.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+GRPC_CALLS = Counter("snapshotter_grpc_calls_total", "gRPC calls by method and status code",
+                     ["method", "code"], registry=REGISTRY)
+GRPC_SECONDS = Histogram("snapshotter_grpc_seconds", "gRPC call latency by method", ["method"],
+                         registry=REGISTRY)
+LAYER_PREPARES = Counter("snapshotter_layer_prepares_total",
+                         "layers prepared, by outcome (lazy, fallback) and format", ["outcome", "format"],
+                         registry=REGISTRY)
+FALLBACKS = Counter("snapshotter_fallbacks_total", "layers that fell back to a full pull, by reason",
+                    ["reason"], registry=REGISTRY)
+RESOLVE_SECONDS = Histogram("snapshotter_resolve_seconds", "time to resolve a lazy layer (footer + TOC)",
+                            registry=REGISTRY, buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+MOUNTS_ALIVE = Gauge("snapshotter_mounts_alive", "image mount processes alive", registry=REGISTRY)
+
+
+def observe_grpc(method: str, code: str, seconds: float) -> None:
+    GRPC_CALLS.labels(method, code).inc()
+    GRPC_SECONDS.labels(method).observe(seconds)

@@ -1,0 +1,1 @@
+"""Remote (lazy) snapshots: labels -> layer, resolve within a deadline, persist, mount."""

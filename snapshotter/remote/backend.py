@@ -1,0 +1,234 @@
+"""Remote snapshots on top of the ordinary snapshotter: what containerd talks to.
+
+Prepare with `containerd.io/snapshot.ref` (the chain id to commit as) and a layer's remote labels:
+resolve the layer within `resolve_timeout`; on success persist its index, record a committed
+snapshot named after the target with the label `containerd.io/snapshot/remote=FORMAT`, and
+answer ALREADY_EXISTS so containerd skips the download. On any failure fall back: log one WARN
+line (image, layer, reason, seconds), count it, and prepare an ordinary snapshot so containerd
+downloads and unpacks that layer. Everything else is the ordinary snapshotter.
+
+Mounts over remote layers: the parent chain is split into contiguous runs of remote layers; one
+mount process per image (keyed by the chain's top snapshot id) serves each run as its own subtree,
+and the overlay lowerdir interleaves those subtrees with the local layers' dirs in exact order.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import trio
+
+from snapshotter import metrics
+from snapshotter.config import Config
+from snapshotter.errors import (
+    AlreadyExists,
+    DigestMismatch,
+    FetchError,
+    FormatError,
+    InvalidArgument,
+    LimitExceeded,
+)
+from snapshotter.fetch.client import RegistryClient
+from snapshotter.remote.labels import (
+    REMOTE_LABEL,
+    TARGET_SNAPSHOT_REF,
+    LayerRef,
+    layer_ref_from_labels,
+)
+from snapshotter.remote.resolver import NotLazy, resolve_layer
+from snapshotter.remote.settings import fetch_config_from
+from snapshotter.remote.store import LayerMeta, LayerStore
+from snapshotter.snapshots.model import Info, Mount, Snapshot, Usage
+from snapshotter.snapshots.service import Snapshotter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RemoteLayer:
+    """A remote layer as a mount process needs it."""
+
+    layer_digest: str
+    image_ref: str
+    format: str
+    index_path: str
+    blob_size: int
+
+
+class Mounter(Protocol):
+    """Starts, finds and stops per-image mount processes (remote/mounts.py)."""
+
+    def ensure(self, mount_id: str, runs: list[list[RemoteLayer]]) -> str: ...
+    def release(self, mount_id: str) -> None: ...
+    def mounted_ids(self) -> set[str]: ...
+
+
+def fallback_reason(exc: BaseException) -> str:
+    """A short, stable reason for logs and the fallbacks metric."""
+    if isinstance(exc, trio.TooSlowError):
+        return "timeout"
+    if isinstance(exc, NotLazy):
+        return "not_lazy"
+    if isinstance(exc, DigestMismatch):
+        return "toc_digest_mismatch"
+    if isinstance(exc, LimitExceeded):
+        return "limit_exceeded"
+    if isinstance(exc, FormatError):
+        return "bad_format"
+    if isinstance(exc, FetchError):
+        return "auth" if "401" in str(exc) or "403" in str(exc) else "registry"
+    if isinstance(exc, InvalidArgument):
+        return "bad_labels"
+    return "error"
+
+
+class RemoteBackend:
+    """SnapshotBackend with remote layers. Thread-safe like the Snapshotter under it."""
+
+    def __init__(self, snapshotter: Snapshotter, config: Config, mounter: Mounter) -> None:
+        self.sn = snapshotter
+        self.config = config
+        self.mounter = mounter
+        self.layers = LayerStore(snapshotter.root / "layers")
+        snapshotter.set_lowers(self.lowers)
+
+    # -- remote prepare -----------------------------------------------------------------------
+
+    def _resolve(self, ref: LayerRef) -> tuple[str, int]:
+        """Resolve (or reuse) the layer's index; return (format, blob size). Raises on failure."""
+        meta = self.layers.meta(ref.layer_digest)
+        if meta is not None and (ref.toc_digest is None or meta.toc_digest in (None, ref.toc_digest)):
+            return meta.format, meta.blob_size
+
+        async def run() -> tuple[str, int]:
+            with trio.fail_after(self.config.resolve_timeout):
+                async with RegistryClient(fetch_config_from(self.config)) as client:
+                    resolved = await resolve_layer(client, ref, max_toc_bytes=self.config.limits.max_toc_bytes)
+            self.layers.save(LayerMeta(ref.layer_digest, resolved.format, resolved.blob_size, ref.image_ref,
+                                       resolved.index.toc_digest), resolved.index)
+            return resolved.format, resolved.blob_size
+
+        return trio.run(run)
+
+    def _try_remote(self, target: str, parent: str, labels: Mapping[str, str]) -> bool:
+        """True when the layer is now a committed remote snapshot named `target`."""
+        start = time.monotonic()
+        image = labels.get("containerd.io/snapshot/cri.image-ref") or labels.get(
+            "containerd.io/snapshot/remote/stargz.reference", "")
+        try:
+            ref = layer_ref_from_labels(labels)
+            if ref is None:
+                return False
+            fmt, _size = self._resolve(ref)
+        except Exception as exc:  # every failure of a lazy layer is a fallback, never a failed pull
+            seconds = time.monotonic() - start
+            reason = fallback_reason(exc)
+            layer = labels.get("containerd.io/snapshot/cri.layer-digest") or labels.get(
+                "containerd.io/snapshot/remote/stargz.digest", "")
+            log.warning("event=fallback image=%s layer=%s reason=%s seconds=%.3f error=%r",
+                        image, layer, reason, seconds, str(exc))
+            metrics.FALLBACKS.labels(reason).inc()
+            metrics.LAYER_PREPARES.labels("fallback", "").inc()
+            return False
+        seconds = time.monotonic() - start
+        metrics.RESOLVE_SECONDS.observe(seconds)
+        remote_labels = dict(labels)
+        remote_labels[REMOTE_LABEL] = fmt
+        try:
+            self.sn.create_remote(target, parent, remote_labels)
+        except AlreadyExists:
+            pass  # a concurrent pull of the same image got there first: containerd will find it
+        log.info("event=lazy_prepare image=%s layer=%s format=%s seconds=%.3f target=%s",
+                 ref.image_ref, ref.layer_digest, fmt, seconds, target)
+        metrics.LAYER_PREPARES.labels("lazy", fmt).inc()
+        return True
+
+    def prepare(self, key: str, parent: str, labels: dict[str, str]) -> list[Mount]:
+        target = labels.get(TARGET_SNAPSHOT_REF)
+        if target and self._try_remote(target, parent, labels):
+            raise AlreadyExists(f"target snapshot {target!r} is a remote snapshot now")
+        return self.sn.prepare(key, parent, labels)
+
+    # -- mounts over remote layers ------------------------------------------------------------
+
+    def lowers(self, snap: Snapshot) -> list[str]:
+        """Lower dirs for `snap`, nearest parent first, remote runs served by the image's mount."""
+        if not snap.parent_ids:
+            return []
+        infos = self.sn.infos_by_id(snap.parent_ids)
+        remote = [REMOTE_LABEL in i.labels for i in infos]
+        if not any(remote):
+            return self.sn.local_lowers(snap)
+        # Runs are numbered bottom-up: run 0 holds the lowest remote layers.
+        bottom_up = list(zip(reversed(snap.parent_ids), reversed(infos), reversed(remote), strict=True))
+        runs: list[list[RemoteLayer]] = []
+        placement: list[tuple[str, int | str]] = []  # ("run", n) or ("dir", path), bottom-up
+        previous_remote = False
+        for sid, info, is_remote in bottom_up:
+            if is_remote:
+                if not previous_remote:
+                    runs.append([])
+                    placement.append(("run", len(runs) - 1))
+                runs[-1].append(self._remote_layer(info))
+            else:
+                placement.append(("dir", self.sn.fs_dir(sid)))
+            previous_remote = is_remote
+        mountpoint = self.mounter.ensure(snap.parent_ids[0], runs)
+        bottom_up_dirs = [f"{mountpoint}/{where}" if kind == "run" else str(where) for kind, where in placement]
+        return list(reversed(bottom_up_dirs))
+
+    def _remote_layer(self, info: Info) -> RemoteLayer:
+        ref = layer_ref_from_labels(info.labels)
+        if ref is None:
+            raise FormatError(f"remote snapshot {info.name!r} lost its layer labels")
+        meta = self.layers.meta(ref.layer_digest)
+        if meta is None:
+            raise FormatError(f"remote snapshot {info.name!r}: layer {ref.layer_digest} is not resolved under "
+                              f"{self.layers.root}; remove the image and pull it again")
+        return RemoteLayer(ref.layer_digest, ref.image_ref, meta.format,
+                           str(self.layers.index_path(ref.layer_digest)), meta.blob_size)
+
+    def _release_unused(self) -> None:
+        for mount_id in self.mounter.mounted_ids():
+            try:
+                users = self.sn.users_of(mount_id)
+            except Exception:  # the image's snapshot is gone: nobody can use the mount
+                users = []
+            if not users:
+                self.mounter.release(mount_id)
+
+    # -- the rest is the ordinary snapshotter ----------------------------------------------------
+
+    def view(self, key: str, parent: str, labels: dict[str, str]) -> list[Mount]:
+        return self.sn.view(key, parent, labels)
+
+    def mounts(self, key: str) -> list[Mount]:
+        return self.sn.mounts(key)
+
+    def commit(self, name: str, key: str, labels: dict[str, str]) -> None:
+        self.sn.commit(name, key, labels)
+        self._release_unused()  # e.g. the mount used to unpack a local layer over remote ones
+
+    def remove(self, key: str) -> None:
+        self.sn.remove(key)
+        self._release_unused()
+
+    def stat(self, key: str) -> Info:
+        return self.sn.stat(key)
+
+    def update(self, info: Info, paths: list[str]) -> Info:
+        return self.sn.update(info, paths)
+
+    def walk(self, filters: list[str]) -> Iterator[Info]:
+        return self.sn.walk(filters)
+
+    def usage(self, key: str) -> Usage:
+        return self.sn.usage(key)
+
+    def cleanup(self) -> list[str]:
+        self._release_unused()
+        return self.sn.cleanup()

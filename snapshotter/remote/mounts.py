@@ -1,0 +1,207 @@
+"""Per-image mount processes: start, find again after a daemon restart, stop.
+
+    ROOT/mounts/<mount id>/state.json   what the mount process serves (written before it starts)
+    ROOT/mounts/<mount id>/mnt          its FUSE mountpoint; run N of the image is mnt/N
+    ROOT/mounts/<mount id>/pid          the mount process's pid, once it is ready
+    ROOT/mounts/<mount id>/log          its stderr
+
+A mount process runs in its own session (not in the daemon's process group), so a daemon
+restart or SIGKILL leaves it serving; the next daemon adopts it when its pid is alive, is a
+mount process for that state file, and its mountpoint answers. A dead one leaves a stale FUSE
+mount (ENOTCONN): it is lazily unmounted and the process started again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from snapshotter import metrics
+from snapshotter.config import Config
+from snapshotter.errors import SnapshotterError
+from snapshotter.remote.backend import RemoteLayer
+
+log = logging.getLogger(__name__)
+
+READY_TIMEOUT = 30.0
+STOP_TIMEOUT = 5.0
+
+
+class MountError(SnapshotterError):
+    """A mount process could not be started or did not become ready."""
+
+
+def is_mountpoint(path: Path) -> bool:
+    """True when `path` is a mountpoint in this mount namespace (dead FUSE mounts included)."""
+    target = os.fsencode(os.path.abspath(path))
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            fields = line.split(b" ")
+            if len(fields) > 4 and fields[4].replace(b"\\040", b" ") == target:
+                return True
+    return False
+
+
+def _answers(path: Path) -> bool:
+    try:
+        os.stat(path)
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.ENOTCONN, errno.ECONNABORTED, errno.EIO):
+            return False
+        raise
+
+
+def _pid_is_mount_process(pid: int, state: Path) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"snapshotter.fusefs" in cmdline and os.fsencode(state) in cmdline
+
+
+def lazy_unmount(path: Path) -> None:
+    for cmd in (["fusermount3", "-u", "-z", str(path)], ["umount", "-l", str(path)]):
+        if not is_mountpoint(path):
+            return
+        subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10, check=False)
+
+
+class MountManager:
+    """Implements remote.backend.Mounter. Thread-safe."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.dir = Path(config.root) / "mounts"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._children: dict[str, subprocess.Popen[bytes]] = {}
+
+    def _paths(self, mount_id: str) -> tuple[Path, Path, Path, Path]:
+        if not mount_id.isdigit():
+            raise MountError(f"bad mount id {mount_id!r}")
+        d = self.dir / mount_id
+        return d / "mnt", d / "state.json", d / "pid", d / "log"
+
+    def _pid(self, mount_id: str) -> int | None:
+        try:
+            return int(self._paths(mount_id)[2].read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def alive(self, mount_id: str) -> bool:
+        mnt, state, _pidf, _log = self._paths(mount_id)
+        pid = self._pid(mount_id)
+        return (pid is not None and _pid_is_mount_process(pid, state) and is_mountpoint(mnt)
+                and _answers(mnt))
+
+    def mounted_ids(self) -> set[str]:
+        return {p.name for p in self.dir.iterdir() if p.is_dir() and p.name.isdigit()}
+
+    def pids(self) -> dict[str, int | None]:
+        return {m: self._pid(m) for m in sorted(self.mounted_ids())}
+
+    def ensure(self, mount_id: str, runs: list[list[RemoteLayer]]) -> str:
+        """The mountpoint of image `mount_id`, starting its mount process if it is not serving."""
+        mnt, state, pidf, logf = self._paths(mount_id)
+        with self._lock:
+            if self.alive(mount_id):
+                return str(mnt)
+            self._stop_locked(mount_id, remove=False)
+            mnt.mkdir(parents=True, exist_ok=True)
+            doc = {
+                "mountpoint": str(mnt),
+                "fetch_timeout": self.config.fetch_timeout,
+                "config": dataclasses.asdict(self.config),
+                "runs": [[{"index": layer.index_path, "layer_digest": layer.layer_digest,
+                           "reader": {"kind": "registry", "image_ref": layer.image_ref,
+                                      "layer_digest": layer.layer_digest, "blob_size": layer.blob_size,
+                                      "format": layer.format}}
+                          for layer in run] for run in runs],
+            }
+            tmp = state.with_suffix(".tmp")
+            tmp.write_text(json.dumps(doc, indent=1))
+            os.replace(tmp, state)
+            pidf.unlink(missing_ok=True)
+            with open(logf, "ab") as log_out:
+                proc = subprocess.Popen([sys.executable, "-m", "snapshotter.fusefs", str(state)],
+                                        stdin=subprocess.DEVNULL, stdout=log_out, stderr=log_out,
+                                        start_new_session=True, close_fds=True)
+            self._children[mount_id] = proc
+            deadline = time.monotonic() + READY_TIMEOUT
+            while time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    raise MountError(f"mount process for image mount {mount_id} exited with {proc.returncode}; "
+                                     f"see {logf}")
+                if is_mountpoint(mnt) and _answers(mnt):
+                    pidf.write_text(str(proc.pid))
+                    metrics.MOUNTS_ALIVE.set(len(self.mounted_ids()))
+                    log.info("event=mount_started mount=%s pid=%d runs=%d layers=%d", mount_id, proc.pid,
+                             len(runs), sum(len(r) for r in runs))
+                    return str(mnt)
+                time.sleep(0.02)
+            proc.kill()
+            raise MountError(f"mount process for image mount {mount_id} not ready within {READY_TIMEOUT}s; "
+                             f"see {logf}")
+
+    def release(self, mount_id: str) -> None:
+        """Stop image `mount_id`'s mount process and remove its directory."""
+        with self._lock:
+            self._stop_locked(mount_id, remove=True)
+        metrics.MOUNTS_ALIVE.set(len(self.mounted_ids()))
+
+    def _stop_locked(self, mount_id: str, *, remove: bool) -> None:
+        mnt, state, pidf, _log = self._paths(mount_id)
+        pid = self._pid(mount_id)
+        child = self._children.pop(mount_id, None)
+        if pid is not None and _pid_is_mount_process(pid, state):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            deadline = time.monotonic() + STOP_TIMEOUT
+            while time.monotonic() < deadline and _pid_is_mount_process(pid, state):
+                if child is not None and child.poll() is not None:
+                    break
+                time.sleep(0.02)
+            if _pid_is_mount_process(pid, state):
+                os.kill(pid, signal.SIGKILL)
+        if child is not None:
+            try:
+                child.wait(timeout=STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                child.kill()
+        lazy_unmount(mnt)
+        pidf.unlink(missing_ok=True)
+        if remove and not is_mountpoint(mnt):
+            shutil.rmtree(self.dir / mount_id, ignore_errors=True)
+        if pid is not None or child is not None:
+            log.info("event=mount_stopped mount=%s pid=%s", mount_id, pid)
+
+    def adopt(self) -> tuple[list[str], list[str]]:
+        """At daemon start: keep live mount processes, clear stale mounts of dead ones.
+
+        Returns (adopted ids, cleared ids). A cleared image is mounted again on its next use
+        (Prepare/Mounts), from the persisted state, without blocking start-up.
+        """
+        adopted, cleared = [], []
+        with self._lock:
+            for mount_id in sorted(self.mounted_ids()):
+                if self.alive(mount_id):
+                    adopted.append(mount_id)
+                    log.info("event=mount_adopted mount=%s pid=%s", mount_id, self._pid(mount_id))
+                else:
+                    self._stop_locked(mount_id, remove=False)
+                    cleared.append(mount_id)
+        metrics.MOUNTS_ALIVE.set(len(adopted))
+        return adopted, cleared

@@ -1,0 +1,85 @@
+"""Resolve a layer lazily: from (image, layer digest) to its LayerIndex, with few round trips.
+
+Order of requests for one layer: HEAD the blob (size), GET the last TAIL_BYTES (which hold the
+footer and, for most layers, the whole TOC), GET the TOC range if the tail did not hold it. The
+footer decides the format: eStargz (51-byte footer), legacy stargz (47), zstd:chunked (either
+layout). Anything else is `NotLazy`, and the caller falls back to a full pull of that layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from snapshotter.errors import DigestMismatch, FormatError, SnapshotterError
+from snapshotter.fetch.client import RegistryClient
+from snapshotter.formats import estargz, zstdchunked
+from snapshotter.formats.index import LayerIndex
+from snapshotter.remote.labels import LayerRef
+
+TAIL_BYTES = 64 * 1024
+
+
+class NotLazy(SnapshotterError):
+    """The layer blob is not in a lazily readable format (e.g. plain gzip)."""
+
+
+@dataclass(frozen=True)
+class ResolvedLayer:
+    ref: LayerRef
+    format: str
+    blob_size: int
+    index: LayerIndex
+
+
+async def _range(client: RegistryClient, ref: LayerRef, tail: bytes, tail_start: int,
+                 offset: int, length: int) -> bytes:
+    """blob[offset:offset+length], from the tail already fetched when it holds it."""
+    if offset >= tail_start:
+        return tail[offset - tail_start:offset - tail_start + length]
+    return await client.read_range(ref.image_ref, ref.layer_digest, offset, length)
+
+
+def _check_toc_digest(ref: LayerRef, index: LayerIndex) -> None:
+    if ref.toc_digest and index.toc_digest and ref.toc_digest != index.toc_digest:
+        raise DigestMismatch(f"layer {ref.layer_digest}: TOC digest is {index.toc_digest}, the image's "
+                             f"annotation says {ref.toc_digest}")
+
+
+async def resolve_layer(client: RegistryClient, ref: LayerRef, *, max_toc_bytes: int) -> ResolvedLayer:
+    """Fetch and parse the layer's TOC. Raises NotLazy, FormatError/DigestMismatch, or FetchError."""
+    size = await client.blob_size(ref.image_ref, ref.layer_digest)
+    if size < estargz.LEGACY_FOOTER_SIZE:
+        raise NotLazy(f"layer {ref.layer_digest} is only {size} bytes: no lazy-format footer")
+    tail_len = min(size, TAIL_BYTES)
+    tail_start = size - tail_len
+    tail = await client.read_range(ref.image_ref, ref.layer_digest, tail_start, tail_len)
+
+    try:
+        footer = estargz.parse_footer(tail[-estargz.FOOTER_SIZE:])
+    except FormatError:
+        footer = None
+    if footer is not None:
+        offset, length = estargz.toc_range(footer, size)
+        if length > max_toc_bytes:
+            raise FormatError(f"layer {ref.layer_digest}: TOC of {length} bytes exceeds limits.max_toc_bytes")
+        member = await _range(client, ref, tail, tail_start, offset, length)
+        index = estargz.parse_toc(member, blob_size=size, layer_digest=ref.layer_digest,
+                                  max_toc_bytes=max_toc_bytes, expected_toc_digest=ref.toc_digest,
+                                  toc_offset=footer.toc_offset)
+        return ResolvedLayer(ref, "stargz" if footer.legacy else "estargz", size, index)
+
+    try:
+        position = zstdchunked.parse_footer(tail, blob_size=size)
+    except FormatError:
+        position = None
+    if position is not None:
+        if position.compressed_size > max_toc_bytes:
+            raise FormatError(f"layer {ref.layer_digest}: zstd:chunked TOC of {position.compressed_size} bytes "
+                              "exceeds limits.max_toc_bytes")
+        compressed = await _range(client, ref, tail, tail_start, position.offset, position.compressed_size)
+        index = zstdchunked.parse_manifest(compressed, blob_size=size, layer_digest=ref.layer_digest,
+                                           max_toc_bytes=max_toc_bytes, position=position)
+        _check_toc_digest(ref, index)
+        return ResolvedLayer(ref, "zstdchunked", size, index)
+
+    raise NotLazy(f"layer {ref.layer_digest} has no eStargz or zstd:chunked footer (plain gzip/zstd layer?)")

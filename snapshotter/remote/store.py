@@ -1,0 +1,74 @@
+"""Resolved layers persisted under the root, so mount processes and a restarted daemon need no
+registry round trip to know a layer's tree.
+
+    ROOT/layers/<sha256 hex of the layer digest>/index.json   the LayerIndex (index_codec)
+    ROOT/layers/<...>/meta.json                               format, blob size, where it came from
+
+Both files are written to a temp name and renamed, meta.json last: a layer directory without
+meta.json is incomplete and is ignored (and rewritten by the next resolve).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from snapshotter.formats.index import LayerIndex
+from snapshotter.formats.index_codec import dump_index, load_index
+
+
+@dataclass(frozen=True)
+class LayerMeta:
+    layer_digest: str
+    format: str
+    blob_size: int
+    image_ref: str
+    toc_digest: str | None
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+class LayerStore:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def layer_dir(self, layer_digest: str) -> Path:
+        algo, _, hexpart = layer_digest.partition(":")
+        if algo != "sha256" or len(hexpart) != 64 or not all(c in "0123456789abcdef" for c in hexpart):
+            raise ValueError(f"not a sha256 layer digest: {layer_digest!r}")
+        return self.root / hexpart
+
+    def index_path(self, layer_digest: str) -> Path:
+        return self.layer_dir(layer_digest) / "index.json"
+
+    def save(self, meta: LayerMeta, index: LayerIndex) -> Path:
+        d = self.layer_dir(meta.layer_digest)
+        d.mkdir(parents=True, exist_ok=True)
+        _write_atomic(d / "index.json", dump_index(index))
+        _write_atomic(d / "meta.json", json.dumps(asdict(meta), sort_keys=True).encode())
+        return d / "index.json"
+
+    def meta(self, layer_digest: str) -> LayerMeta | None:
+        try:
+            raw = json.loads((self.layer_dir(layer_digest) / "meta.json").read_bytes())
+        except (FileNotFoundError, ValueError):
+            return None
+        return LayerMeta(**raw)
+
+    def load(self, layer_digest: str) -> LayerIndex:
+        return load_index(self.index_path(layer_digest).read_bytes())

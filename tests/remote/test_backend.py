@@ -1,0 +1,189 @@
+"""Remote prepare against the real registry: lazy layers commit remotely, everything else falls back."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import logging
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from snapshotter import metrics
+from snapshotter.config import Config
+from snapshotter.errors import AlreadyExists
+from snapshotter.formats.estargz import write_estargz
+from snapshotter.remote.backend import RemoteBackend, RemoteLayer
+from snapshotter.remote.labels import REMOTE_LABEL, TARGET_SNAPSHOT_REF
+from snapshotter.snapshots.model import Kind
+from snapshotter.snapshots.service import Snapshotter
+from tests.fetch.registry import RegistryProcess, free_port, push_image, start_registry
+
+
+def _tar(files: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def _estargz(files: dict[str, bytes]) -> tuple[bytes, str]:
+    out = io.BytesIO()
+    result = write_estargz(io.BytesIO(_tar(files)), out)
+    return out.getvalue(), result.toc_digest
+
+
+class FakeMounter:
+    """Records what the backend asks for; the real one is tested with FUSE in tests/integration."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.ensured: dict[str, list[list[RemoteLayer]]] = {}
+        self.released: list[str] = []
+
+    def ensure(self, mount_id: str, runs: list[list[RemoteLayer]]) -> str:
+        self.ensured[mount_id] = runs
+        return str(self.tmp / "mnt" / mount_id)
+
+    def release(self, mount_id: str) -> None:
+        self.released.append(mount_id)
+        self.ensured.pop(mount_id, None)
+
+    def mounted_ids(self) -> set[str]:
+        return set(self.ensured)
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryProcess]:
+    reg = start_registry(tmp_path_factory.mktemp("registry"))
+    try:
+        yield reg
+    finally:
+        reg.stop()
+
+
+@pytest.fixture
+def backend(tmp_path: Path) -> tuple[RemoteBackend, FakeMounter]:
+    config = Config(root=str(tmp_path / "root"), resolve_timeout=5.0)
+    sn = Snapshotter(tmp_path / "root")
+    mounter = FakeMounter(tmp_path)
+    return RemoteBackend(sn, config, mounter), mounter
+
+
+def _labels(ref: str, digest: str, target: str, **extra: str) -> dict[str, str]:
+    return {TARGET_SNAPSHOT_REF: target, "containerd.io/snapshot/cri.image-ref": ref,
+            "containerd.io/snapshot/cri.layer-digest": digest, **extra}
+
+
+def test_estargz_layer_becomes_remote_snapshot(registry: RegistryProcess, backend: tuple[RemoteBackend, FakeMounter],
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    be, _ = backend
+    blob, toc = _estargz({"etc/hello": b"hello\n", "big": b"x" * 100_000})
+    image = push_image(registry.url, "lazy/one", "v1", [blob])
+    (digest,) = image.layers
+    caplog.set_level(logging.INFO)
+    with pytest.raises(AlreadyExists):
+        be.prepare("default/1/extract-1", "", _labels(image.ref, digest, "sha256:chain1",
+                                                     **{"containerd.io/snapshot/stargz/toc.digest": toc}))
+    info = be.stat("sha256:chain1")
+    assert info.kind is Kind.COMMITTED and info.labels[REMOTE_LABEL] == "estargz"
+    assert info.labels[TARGET_SNAPSHOT_REF] == "sha256:chain1"
+    assert [r.getMessage() for r in caplog.records if "event=lazy_prepare" in r.getMessage()]
+    index = be.layers.load(digest)
+    assert index.get("etc/hello") is not None and index["big"].size == 100_000
+    # The extract key was never created; containerd's metadata layer finds the target by filter.
+    found = list(be.walk(['labels."containerd.io/snapshot.ref"==sha256:chain1,parent==""']))
+    assert [i.name for i in found] == ["sha256:chain1"]
+    # Same layer again (another image or a re-pull): no registry round trip needed, same outcome.
+    registry_log = registry.log_path.read_text()
+    with pytest.raises(AlreadyExists):
+        be.prepare("default/2/extract-2", "sha256:chain1", _labels(image.ref, digest, "sha256:chain2"))
+    assert registry.log_path.read_text().count("GET") == registry_log.count("GET")
+
+
+def _fallback_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "event=fallback" in
+            r.getMessage()]
+
+
+def test_plain_gzip_layer_falls_back(registry: RegistryProcess, backend: tuple[RemoteBackend, FakeMounter],
+                                     caplog: pytest.LogCaptureFixture) -> None:
+    be, _ = backend
+    image = push_image(registry.url, "plain/one", "v1", [gzip.compress(_tar({"a": b"a"}))])
+    (digest,) = image.layers
+    before = metrics.FALLBACKS.labels("not_lazy")._value.get()
+    mounts = be.prepare("default/1/extract", "", _labels(image.ref, digest, "sha256:plain"))
+    assert mounts[0].type == "bind"
+    assert be.stat("default/1/extract").kind is Kind.ACTIVE
+    (line,) = _fallback_lines(caplog)
+    assert f"image={image.ref}" in line and f"layer={digest}" in line and "reason=not_lazy" in line
+    assert "seconds=" in line
+    assert metrics.FALLBACKS.labels("not_lazy")._value.get() == before + 1
+
+
+def test_registry_down_falls_back_within_timeout(backend: tuple[RemoteBackend, FakeMounter],
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    be, _ = backend
+    ref = f"127.0.0.1:{free_port()}/gone/image:v1"
+    digest = "sha256:" + "ab" * 32
+    mounts = be.prepare("default/1/x", "", _labels(ref, digest, "sha256:gone"))
+    assert mounts and be.stat("default/1/x").kind is Kind.ACTIVE
+    (line,) = _fallback_lines(caplog)
+    assert "reason=registry" in line and digest in line
+    seconds = float(line.split("seconds=")[1].split()[0])
+    assert seconds <= be.config.resolve_timeout + 1
+
+
+def test_toc_digest_mismatch_falls_back(registry: RegistryProcess, backend: tuple[RemoteBackend, FakeMounter],
+                                        caplog: pytest.LogCaptureFixture) -> None:
+    be, _ = backend
+    blob, _toc = _estargz({"f": b"data"})
+    image = push_image(registry.url, "lazy/two", "v1", [blob])
+    (digest,) = image.layers
+    be.prepare("default/1/y", "", _labels(image.ref, digest, "sha256:bad",
+                                          **{"containerd.io/snapshot/stargz/toc.digest": "sha256:" + "0" * 64}))
+    (line,) = _fallback_lines(caplog)
+    assert "reason=toc_digest_mismatch" in line
+    assert be.layers.meta(digest) is None, "a rejected layer must not be persisted"
+
+
+def test_no_remote_labels_is_ordinary(backend: tuple[RemoteBackend, FakeMounter],
+                                      caplog: pytest.LogCaptureFixture) -> None:
+    be, _ = backend
+    be.prepare("default/1/z", "", {TARGET_SNAPSHOT_REF: "sha256:plain"})
+    assert be.stat("default/1/z").kind is Kind.ACTIVE
+    assert not _fallback_lines(caplog)
+
+
+def test_lowers_interleave_remote_runs_with_local_layers(registry: RegistryProcess,
+                                                         backend: tuple[RemoteBackend, FakeMounter]) -> None:
+    be, mounter = backend
+    blobs = [_estargz({f"f{i}": b"%d" % i})[0] for i in range(3)]
+    image = push_image(registry.url, "lazy/mixed", "v1", blobs)
+    d = list(image.layers)
+    # bottom-up: remote L0, remote L1, local L2, remote L3
+    with pytest.raises(AlreadyExists):
+        be.prepare("k0", "", _labels(image.ref, d[0], "c0"))
+    with pytest.raises(AlreadyExists):
+        be.prepare("k1", "c0", _labels(image.ref, d[1], "c1"))
+    be.prepare("k2", "c1", {})  # unpacking a local layer over remote ones mounts them
+    unpack_mount = be.sn.snapshot("c1").id
+    assert unpack_mount in mounter.ensured
+    be.commit("c2", "k2", {})
+    assert mounter.released == [unpack_mount]
+    with pytest.raises(AlreadyExists):
+        be.prepare("k3", "c2", _labels(image.ref, d[2], "c3"))
+    (m,) = be.prepare("ctr", "c3", {})
+    top = be.sn.snapshot("c3").id
+    lower = next(o for o in m.options if o.startswith("lowerdir=")).removeprefix("lowerdir=").split(":")
+    mnt = str(Path(mounter.tmp, "mnt", top))
+    assert lower == [f"{mnt}/1", be.sn.fs_dir(be.sn.snapshot("c2").id), f"{mnt}/0"]
+    runs = mounter.ensured[top]
+    assert [[layer.layer_digest for layer in run] for run in runs] == [[d[0], d[1]], [d[2]]]
+    be.remove("ctr")
+    assert mounter.released == [unpack_mount, top]
