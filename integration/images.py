@@ -238,7 +238,7 @@ def _write_blob(layout: Path, data: bytes) -> str:
 def build_image(
     layout_dir: Path,
     tag: str,
-    layers: Sequence[Sequence[Entry]],
+    layers: Sequence[Sequence[Entry] | bytes],
     *,
     cmd: Sequence[str] = ("/bin/sh",),
     env: Sequence[str] = ("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",),
@@ -254,7 +254,7 @@ def build_image(
 
     built: list[Layer] = []
     for entries in layers:
-        raw = layer_tar(entries)
+        raw = entries if isinstance(entries, bytes) else layer_tar(entries)  # bytes: a ready layer tar
         gz = gzip.compress(raw, compresslevel=6, mtime=0)
         digest = _write_blob(layout, gz)
         built.append(Layer(digest=digest, size=len(gz), diff_id=sha256_digest(raw)))

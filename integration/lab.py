@@ -369,8 +369,9 @@ class Lab:
             cfg = self.dir / "registry.yml"
             cfg.write_text(
                 "version: 0.1\n"
-                # Access logs would drown the interesting lines in failure reports.
-                "log:\n  level: warn\n  accesslog:\n    disabled: true\n"
+                # Info level: one "response completed" line per request (method, URI, status, bytes),
+                # which tests use to count what was fetched; the Apache-style access log is off.
+                "log:\n  level: info\n  accesslog:\n    disabled: true\n"
                 f"storage:\n  filesystem:\n    rootdirectory: {storage}\n  delete:\n    enabled: true\n"
                 f"http:\n  addr: 127.0.0.1:{port}\n"
             )
@@ -404,8 +405,21 @@ class Lab:
         )
 
     # ---- our daemon ---------------------------------------------------------------------------
+    def restart_daemon(self, sig: int = signal.SIGKILL) -> None:
+        """Stop our daemon with `sig` (SIGKILL: a crash; its mount processes live on), then start it
+        again on the same root and socket."""
+        for proc in [p for p in self.procs if p.name == "snapshotter"]:
+            if proc.popen.poll() is None:
+                proc.popen.send_signal(sig)
+                proc.popen.wait(timeout=STOP_GRACE_S * 4)
+            self.procs.remove(proc)
+        self._start_daemon()
+
+    def daemon_log(self) -> str:
+        return "".join(p.read_text(errors="replace") for p in sorted(self.logs_dir.glob("snapshotter*.log")))
+
     def _start_daemon(self) -> None:
-        self.snapshotter_root.mkdir()
+        self.snapshotter_root.mkdir(exist_ok=True)
         argv = [
             *self._daemon_command(),
             "serve",

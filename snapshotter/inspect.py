@@ -7,10 +7,7 @@ layer of its manifest is resolved the way the daemon would (footer + TOC ranges 
 
 from __future__ import annotations
 
-import gzip
 import hashlib
-import io
-import tarfile
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +15,10 @@ from snapshotter.config import Config
 from snapshotter.errors import FormatError, SnapshotterError
 from snapshotter.formats import estargz, zstdchunked
 from snapshotter.formats.index import LayerIndex
+from snapshotter.formats.nydus import parse_bootstrap
+from snapshotter.formats.nydus_layer import bootstrap_from_layer
 
 EROFS_MAGIC_AT_1024 = b"\xe2\xe1\xf5\xe0"
-NYDUS_BOOTSTRAP_PATHS = ("image/image.boot", "./image/image.boot")
 
 
 def index_to_json(index: LayerIndex) -> dict[str, Any]:
@@ -50,23 +48,6 @@ def index_to_json(index: LayerIndex) -> dict[str, Any]:
     }
 
 
-def _nydus_bootstrap_from_layer(data: bytes) -> bytes | None:
-    """image/image.boot from a Nydus bootstrap layer (tar, gzip or not); None if absent."""
-    raw = gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data
-    try:
-        with tarfile.open(fileobj=io.BytesIO(raw), mode="r:") as tf:
-            for name in NYDUS_BOOTSTRAP_PATHS:
-                try:
-                    member = tf.getmember(name)
-                except KeyError:
-                    continue
-                f = tf.extractfile(member)
-                return f.read() if f else None
-    except tarfile.TarError:
-        return None
-    return None
-
-
 def index_of_file(path: Path, config: Config) -> LayerIndex:
     """Parse a local blob or bootstrap. Raises FormatError naming the file when nothing fits."""
     data = path.read_bytes()
@@ -74,8 +55,6 @@ def index_of_file(path: Path, config: Config) -> LayerIndex:
     limits = config.limits
     errors: list[str] = []
     if len(data) > 1028 and data[1024:1028] == EROFS_MAGIC_AT_1024:
-        from snapshotter.formats.nydus import parse_bootstrap
-
         return parse_bootstrap(data, max_bootstrap_bytes=limits.max_bootstrap_bytes)
     try:
         footer = estargz.parse_footer(data[-estargz.FOOTER_SIZE:])
@@ -90,11 +69,11 @@ def index_of_file(path: Path, config: Config) -> LayerIndex:
                                           layer_digest=digest, max_toc_bytes=limits.max_toc_bytes, position=pos)
     except FormatError as exc:
         errors.append(f"zstd:chunked: {exc}")
-    boot = _nydus_bootstrap_from_layer(data)
-    if boot is not None:
-        from snapshotter.formats.nydus import parse_bootstrap
-
+    try:
+        boot = bootstrap_from_layer(data, max_bootstrap_bytes=limits.max_bootstrap_bytes)
         return parse_bootstrap(boot, max_bootstrap_bytes=limits.max_bootstrap_bytes)
+    except FormatError as exc:
+        errors.append(f"nydus: {exc}")
     raise FormatError(f"{path}: not an eStargz, zstd:chunked or Nydus layer ({'; '.join(errors)})")
 
 

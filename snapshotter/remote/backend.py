@@ -107,7 +107,8 @@ class RemoteBackend:
         async def run() -> tuple[str, int]:
             with trio.fail_after(self.config.resolve_timeout):
                 async with RegistryClient(fetch_config_from(self.config)) as client:
-                    resolved = await resolve_layer(client, ref, max_toc_bytes=self.config.limits.max_toc_bytes)
+                    resolved = await resolve_layer(client, ref, max_toc_bytes=self.config.limits.max_toc_bytes,
+                                                   max_bootstrap_bytes=self.config.limits.max_bootstrap_bytes)
             self.layers.save(LayerMeta(ref.layer_digest, resolved.format, resolved.blob_size, ref.image_ref,
                                        resolved.index.toc_digest), resolved.index)
             return resolved.format, resolved.blob_size

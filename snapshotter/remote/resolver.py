@@ -3,17 +3,22 @@
 Order of requests for one layer: HEAD the blob (size), GET the last TAIL_BYTES (which hold the
 footer and, for most layers, the whole TOC), GET the TOC range if the tail did not hold it. The
 footer decides the format: eStargz (51-byte footer), legacy stargz (47), zstd:chunked (either
-layout). Anything else is `NotLazy`, and the caller falls back to a full pull of that layer.
+layout). Nydus layers are told apart by their labels: a data blob layer needs only its size, the
+bootstrap layer (small) is fetched whole. Anything else is `NotLazy`, and the caller falls back to
+a full pull of that layer.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
-from snapshotter.errors import DigestMismatch, FormatError, SnapshotterError
+from snapshotter.errors import DigestMismatch, FormatError, LimitExceeded, SnapshotterError
 from snapshotter.fetch.client import RegistryClient
 from snapshotter.formats import estargz, zstdchunked
 from snapshotter.formats.index import LayerIndex
+from snapshotter.formats.nydus import parse_bootstrap
+from snapshotter.formats.nydus_layer import bootstrap_from_layer
 from snapshotter.remote.labels import LayerRef
 
 TAIL_BYTES = 64 * 1024
@@ -45,9 +50,33 @@ def _check_toc_digest(ref: LayerRef, index: LayerIndex) -> None:
                              f"annotation says {ref.toc_digest}")
 
 
-async def resolve_layer(client: RegistryClient, ref: LayerRef, *, max_toc_bytes: int) -> ResolvedLayer:
-    """Fetch and parse the layer's TOC. Raises NotLazy, FormatError/DigestMismatch, or FetchError."""
+NYDUS_BLOB_FORMAT = "nydus-blob"
+
+
+async def _resolve_nydus(client: RegistryClient, ref: LayerRef, size: int, *,
+                         max_bootstrap_bytes: int) -> ResolvedLayer:
+    """A Nydus data blob layer has no tree of its own (the bootstrap layer describes the image);
+    the bootstrap layer is small and fetched whole, then parsed."""
+    if ref.nydus_blob:
+        return ResolvedLayer(ref, NYDUS_BLOB_FORMAT, size, LayerIndex(NYDUS_BLOB_FORMAT, ()))
+    if size > max_bootstrap_bytes:
+        raise LimitExceeded(f"nydus bootstrap layer {ref.layer_digest} is {size} bytes, over "
+                            f"limits.max_bootstrap_bytes ({max_bootstrap_bytes})")
+    layer = await client.read_range(ref.image_ref, ref.layer_digest, 0, size)
+    if hashlib.sha256(layer).hexdigest() != ref.layer_digest.partition(":")[2]:
+        raise DigestMismatch(f"nydus bootstrap layer {ref.layer_digest}: content does not match its digest")
+    boot = bootstrap_from_layer(layer, max_bootstrap_bytes=max_bootstrap_bytes)
+    index = parse_bootstrap(boot, max_bootstrap_bytes=max_bootstrap_bytes)
+    return ResolvedLayer(ref, "nydus", size, index)
+
+
+async def resolve_layer(client: RegistryClient, ref: LayerRef, *, max_toc_bytes: int,
+                        max_bootstrap_bytes: int = 1 << 30) -> ResolvedLayer:
+    """Fetch and parse the layer's TOC (or Nydus bootstrap). Raises NotLazy, FormatError /
+    DigestMismatch / LimitExceeded, or FetchError."""
     size = await client.blob_size(ref.image_ref, ref.layer_digest)
+    if ref.nydus_blob or ref.nydus_bootstrap:
+        return await _resolve_nydus(client, ref, size, max_bootstrap_bytes=max_bootstrap_bytes)
     if size < estargz.LEGACY_FOOTER_SIZE:
         raise NotLazy(f"layer {ref.layer_digest} is only {size} bytes: no lazy-format footer")
     tail_len = min(size, TAIL_BYTES)

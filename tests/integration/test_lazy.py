@@ -1,0 +1,283 @@
+"""The product, end to end: containerd pulls lazy images through `lazy`, no layer is downloaded,
+containers run, and every file they see is the file an ordinary overlayfs pull would give.
+
+Real containerd 1.6, the real registry, real /dev/fuse, ctr-remote for eStargz made by the
+reference tool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+import stat
+import tarfile
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from integration import cri, images
+from integration.lab import Lab
+
+RICH_BIG = 6 * 1024 * 1024 + 12345  # several 4 MiB eStargz chunks, and an odd tail
+
+
+def rich_layer() -> bytes:
+    """A layer with what a plain busybox image lacks: owners, modes, xattrs, devices, a fifo,
+    hard links across dirs, symlinks, empty and large files."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        def add(name: str, kind: bytes, data: bytes = b"", **kw: object) -> None:
+            info = tarfile.TarInfo(name)
+            info.type = kind
+            info.mtime = 1_700_000_000
+            info.mode = int(kw.pop("mode", 0o644))  # type: ignore[call-overload]
+            for k, v in kw.items():
+                setattr(info, k, v)
+            info.size = len(data) if kind == tarfile.REGTYPE else 0
+            tf.addfile(info, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
+
+        add("rich", tarfile.DIRTYPE, mode=0o755)
+        add("rich/owned", tarfile.REGTYPE, b"owned by 1234:5678\n", uid=1234, gid=5678, mode=0o640)
+        add("rich/setuid", tarfile.REGTYPE, b"#!/bin/sh\n", mode=0o4755)
+        add("rich/xattr", tarfile.REGTYPE, b"xattrs\n",
+            pax_headers={"SCHILY.xattr.user.comment": "lazy", "SCHILY.xattr.user.empty": ""})
+        add("rich/empty", tarfile.REGTYPE, b"")
+        add("rich/null", tarfile.CHRTYPE, mode=0o666, devmajor=1, devminor=3)
+        add("rich/blk", tarfile.BLKTYPE, mode=0o600, devmajor=7, devminor=9)
+        add("rich/fifo", tarfile.FIFOTYPE, mode=0o600)
+        add("rich/sub", tarfile.DIRTYPE, mode=0o700, uid=42, gid=42)
+        add("rich/sub/link-to-owned", tarfile.LNKTYPE, linkname="rich/owned", uid=1234, gid=5678, mode=0o640)
+        add("rich/abs-symlink", tarfile.SYMTYPE, linkname="/etc/passwd", mode=0o777)
+        add("rich/big.bin", tarfile.REGTYPE, images.deterministic_bytes(RICH_BIG, seed=7))
+    return buf.getvalue()
+
+
+@dataclass(frozen=True)
+class Pushed:
+    gzip_ref: str
+    esgz_ref: str
+    image: images.BuiltImage
+
+
+@pytest.fixture(scope="module")
+def pushed(lab: Lab) -> Pushed:
+    layers, _expect = images.foundation_layers()
+    img = images.build_image(lab.dir / "oci", "rich", [*layers, rich_layer()],
+                             cmd=("/bin/sh", "-c", "cat /etc/layer3.txt"))
+    gzip_ref = lab.push(img, "rich")
+    esgz_ref = lab.push_converted(gzip_ref, f"{lab.registry_host}/rich:esgz")
+    return Pushed(gzip_ref, esgz_ref, img)
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+_KV = re.compile(r'(\S+?)=("(?:[^"\\]|\\.)*"|\S+)')
+
+
+def blob_gets(lab: Lab, repo: str) -> list[tuple[str, int, int]]:
+    """(digest, status, bytes written) of every blob GET the registry logged for `repo`."""
+    out = []
+    for path in lab.logs_dir.glob("registry*.log"):
+        for line in path.read_text(errors="replace").splitlines():
+            if 'msg="response completed' not in line:
+                continue
+            kv = {k: v.strip('"') for k, v in _KV.findall(line)}
+            uri = kv.get("http.request.uri", "")
+            if kv.get("http.request.method") == "GET" and uri.startswith(f"/v2/{repo}/blobs/"):
+                out.append((uri.rsplit("/", 1)[1], int(kv.get("http.response.status", 0)),
+                            int(kv.get("http.response.written", 0))))
+    return out
+
+
+def manifest_layers(lab: Lab, ref: str) -> list[dict[str, object]]:
+    import json
+    import urllib.request
+
+    host, _, rest = ref.partition("/")
+    repo, _, tag = rest.partition(":")
+    req = urllib.request.Request(f"http://{host}/v2/{repo}/manifests/{tag}",
+                                 headers={"Accept": "application/vnd.oci.image.manifest.v1+json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        layers: list[dict[str, object]] = json.load(r)["layers"]
+    return layers
+
+
+@dataclass(frozen=True)
+class Facts:
+    type: str
+    mode: int
+    uid: int
+    gid: int
+    size: int
+    link: str
+    rdev: int
+    xattrs: tuple[tuple[str, bytes], ...]
+    sha256: str | None
+
+
+def tree_facts(root: Path) -> dict[str, Facts]:
+    """Every path under root with type, mode, owner, size, link target, device, xattrs, sha256."""
+    out: dict[str, Facts] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath, name)
+            st = os.lstat(p)
+            kind = stat.S_IFMT(st.st_mode)
+            xattrs = tuple(sorted((k, os.getxattr(p, k, follow_symlinks=False))
+                                  for k in os.listxattr(p, follow_symlinks=False) if not k.startswith("trusted.")))
+            sha = None
+            if stat.S_ISREG(st.st_mode):
+                h = hashlib.sha256()
+                with open(p, "rb") as f:
+                    for block in iter(lambda: f.read(1 << 20), b""):
+                        h.update(block)
+                sha = h.hexdigest()
+            out[str(p.relative_to(root))] = Facts(
+                {stat.S_IFDIR: "dir", stat.S_IFREG: "reg", stat.S_IFLNK: "symlink", stat.S_IFCHR: "char",
+                 stat.S_IFBLK: "block", stat.S_IFIFO: "fifo"}.get(kind, str(kind)),
+                stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, st.st_size if stat.S_ISREG(st.st_mode) else 0,
+                os.readlink(p) if stat.S_ISLNK(st.st_mode) else "", st.st_rdev, xattrs, sha)
+    return out
+
+
+@pytest.fixture
+def mounted(lab: Lab) -> Iterator[list[tuple[str, str, Path]]]:
+    """Mount images with `ctr images mount`; unmounted (and the snapshot removed) afterwards."""
+    done: list[tuple[str, str, Path]] = []
+    yield done
+    for _ref, snapshotter, target in done:
+        lab.ctr("images", "unmount", "--snapshotter", snapshotter, "--rm", str(target), check=False)
+
+
+def mount_image(lab: Lab, mounted: list[tuple[str, str, Path]], ref: str, snapshotter: str) -> Path:
+    target = Path(tempfile.mkdtemp(prefix=f"view-{snapshotter}-", dir=lab.dir))
+    lab.ctr("images", "mount", "--snapshotter", snapshotter, ref, str(target), timeout=120)
+    mounted.append((ref, snapshotter, target))
+    return target
+
+
+# -- tests --------------------------------------------------------------------------------------
+
+def test_rpull_estargz_fetches_only_metadata_then_runs(lab: Lab, pushed: Pushed) -> None:
+    layers = manifest_layers(lab, pushed.esgz_ref)
+    sizes = {str(layer["digest"]): int(str(layer["size"])) for layer in layers}
+    before = len(blob_gets(lab, "rich"))
+    started = time.monotonic()
+    lab.rpull(pushed.esgz_ref)
+    pull_seconds = time.monotonic() - started
+    during_pull = blob_gets(lab, "rich")[before:]
+    layer_gets = [g for g in during_pull if g[0] in sizes]
+    assert layer_gets, "the lazy pull should read footers and TOCs"
+    assert all(status == 206 for _d, status, _n in layer_gets), f"whole-blob GETs during rpull: {layer_gets}"
+    for digest, size in sizes.items():
+        fetched = sum(n for d, _s, n in layer_gets if d == digest)
+        assert fetched < size or size < 70_000, f"layer {digest}: fetched {fetched} of {size} bytes"
+    log = lab.daemon_log()
+    assert sum(f"layer={d}" in log and "event=lazy_prepare" in log for d in sizes) == len(sizes)
+    # Every layer is a committed remote snapshot: nothing was unpacked.
+    snaps = lab.ctr("snapshots", "--snapshotter", "lazy", "ls").stdout
+    assert snaps.count("Committed") >= len(sizes)
+
+    out = lab.ctr_run(pushed.esgz_ref, "lazy-run-1", "sh", "-c",
+                      "cat /etc/layer1.txt /data/layer2.txt /etc/layer3.txt /rich/owned; "
+                      "test ! -e /etc/doomed.txt && echo doomed-gone; ls /opaque").stdout
+    assert "from layer 1, overwritten by layer 2" in out and "from layer 2" in out and "from layer 3" in out
+    assert "owned by 1234:5678" in out and "doomed-gone" in out
+    assert "lower-a.txt" not in out and "upper.txt" in out
+    # The big files were never read, so their layers were never fetched whole.
+    after_run = [g for g in blob_gets(lab, "rich")[before:] if g[0] in sizes]
+    assert all(status == 206 for _d, status, _n in after_run)
+    biggest = max(sizes, key=lambda d: sizes[d])
+    assert sum(n for d, _s, n in after_run if d == biggest) < sizes[biggest] / 2
+    print(f"rpull {pull_seconds:.2f}s, {len(layer_gets)} range requests during pull")
+
+
+def test_lazy_tree_is_byte_identical_to_overlayfs(lab: Lab, pushed: Pushed,
+                                                  mounted: list[tuple[str, str, Path]]) -> None:
+    lab.rpull(pushed.esgz_ref)
+    lab.pull(pushed.esgz_ref, snapshotter="overlayfs")
+    lazy = tree_facts(mount_image(lab, mounted, pushed.esgz_ref, "lazy"))
+    full = tree_facts(mount_image(lab, mounted, pushed.esgz_ref, "overlayfs"))
+    assert set(lazy) == set(full)
+    diffs = {p: (lazy[p], full[p]) for p in full if lazy[p] != full[p]}
+    assert not diffs, f"{len(diffs)} paths differ, e.g. {next(iter(diffs.items()))}"
+    # The comparison covered what matters.
+    assert full["rich/owned"].uid == 1234 and full["rich/xattr"].xattrs
+    assert full["rich/null"].type == "char" and full["rich/fifo"].type == "fifo"
+    assert full["rich/big.bin"].size == RICH_BIG
+    assert "etc/doomed.txt" not in full and "opaque/lower-a.txt" not in full
+
+
+def test_hard_links_share_an_inode_through_the_lazy_mount(lab: Lab, pushed: Pushed,
+                                                          mounted: list[tuple[str, str, Path]]) -> None:
+    lab.rpull(pushed.esgz_ref)
+    root = mount_image(lab, mounted, pushed.esgz_ref, "lazy")
+    a, b = os.lstat(root / "rich/owned"), os.lstat(root / "rich/sub/link-to-owned")
+    assert a.st_ino == b.st_ino and a.st_nlink == 2
+
+
+def test_plain_gzip_layers_fall_back_and_still_run(lab: Lab, pushed: Pushed) -> None:
+    # A namespace of its own: no layer of this image is unpacked there yet, so every one is prepared.
+    lab.ctr_remote("image", "rpull", "--plain-http", "--snapshotter", "lazy", pushed.gzip_ref, namespace="fallback")
+    log = lab.daemon_log()
+    for layer in pushed.image.layers:
+        line = next((x for x in log.splitlines() if "event=fallback" in x and f"layer={layer.digest}" in x
+                     and f"image={pushed.gzip_ref} " in x), None)
+        assert line is not None, f"no fallback line for {layer.digest}"
+        assert "level=warning" in line and "reason=not_lazy" in line and "seconds=" in line
+    out = lab.ctr("run", "--rm", "--snapshotter", "lazy", "--runc-root", str(lab.dir / "runc"), "--fifo-dir",
+                  str(lab.dir / "fifo"), pushed.gzip_ref, "fallback-run", "sh", "-c", "cat /etc/layer3.txt",
+                  namespace="fallback").stdout
+    assert out == "from layer 3\n"
+
+
+def test_cri_pull_is_lazy(lab: Lab, pushed: Pushed) -> None:
+    digests = [str(layer["digest"]) for layer in manifest_layers(lab, pushed.esgz_ref)]
+    cri.pull(lab.containerd_socket, pushed.esgz_ref)
+    snaps = lab.ctr("snapshots", "--snapshotter", "lazy", "ls", namespace="k8s.io").stdout
+    infos = [lab.ctr("snapshots", "--snapshotter", "lazy", "info", line.split()[0], namespace="k8s.io").stdout
+             for line in snaps.splitlines()[1:] if line.strip()]
+    remote = [i for i in infos if '"containerd.io/snapshot/remote": "estargz"' in i]
+    assert len(remote) == len(digests), "every layer pulled through CRI should be a remote snapshot"
+    assert all('"containerd.io/snapshot/cri.layer-digest"' in i for i in remote)
+
+
+def _drop_page_cache() -> None:
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def test_container_keeps_reading_across_daemon_sigkill(lab: Lab, pushed: Pushed) -> None:
+    lab.rpull(pushed.esgz_ref)
+    expected = hashlib.sha256(images.deterministic_bytes(RICH_BIG, seed=7)).hexdigest()
+    # Reads the big file in a loop for ~6 s, logging each checksum inside the container.
+    script = "i=0; while [ $i -lt 120 ]; do sha256sum /rich/big.bin >> /loop.log; i=$((i+1)); sleep 0.05; done"
+    lab.ctr_run(pushed.esgz_ref, "reader-loop", "sh", "-c", script, detach=True)
+    try:
+        time.sleep(1.0)
+        lab.restart_daemon()  # SIGKILL: the mount process serving the container lives on
+        for _ in range(5):
+            _drop_page_cache()  # make the loop's next reads go through FUSE again
+            time.sleep(0.5)
+        out = lab.ctr_run(pushed.esgz_ref, "after-restart", "sha256sum", "/rich/big.bin").stdout
+        assert out.split()[0] == expected, "a new container of the image works after the restart"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and "RUNNING" in lab.ctr("tasks", "ls").stdout:
+            time.sleep(0.2)
+        mounts = lab.ctr("snapshots", "--snapshotter", "lazy", "mounts", "/x", "reader-loop").stdout
+        upper = re.search(r"upperdir=([^,\s]+)", mounts)
+        assert upper, mounts
+        sums = Path(upper.group(1), "loop.log").read_text().split("\n")
+        sums = [line.split()[0] for line in sums if line.strip()]
+        assert len(sums) == 120, f"the loop stopped early: {len(sums)} reads"
+        assert set(sums) == {expected}
+    finally:
+        lab.ctr("tasks", "kill", "-s", "SIGKILL", "reader-loop", check=False)
+        time.sleep(0.5)
+        lab.ctr("tasks", "delete", "reader-loop", check=False)
+        lab.ctr("containers", "delete", "reader-loop", check=False)
