@@ -7,13 +7,16 @@ then prints MiB/s for:
   cold seq    LayerReader, empty cache, sequential reads of --read-size (FUSE-like) with read-ahead
   cold par    LayerReader, empty cache, --parallel readers on disjoint stripes
   warm        the same sequential read again, from the chunk cache
-Throughputs of the reader are file (uncompressed) bytes / s. Run as:
-  .venv/bin/python integration/bench/blob_read.py [--size 256] [--chunk-size 4]
+Throughputs of the reader are file (uncompressed) bytes / s; "wire" is blob bytes / s, the number
+compared with curl ("ratio"). --rate caps loopback with `tc qdisc ... tbf` for the run (removed
+afterwards), so the link rate is known. Run as:
+  .venv/bin/python integration/bench/blob_read.py [--size 256] [--chunk-size 4] [--rate 200mbit]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import hashlib
 import os
@@ -21,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import trio
@@ -105,6 +109,20 @@ async def _timed_reads(reader: LayerReader, entry: Entry, read_size: int, parall
     return time.perf_counter() - start, ""
 
 
+@contextlib.contextmanager
+def shaped(rate: str) -> Iterator[None]:
+    """Cap loopback with a tbf qdisc for the duration (needs root); always removed afterwards."""
+    if not rate:
+        yield
+        return
+    subprocess.run(["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate, "burst", "256kb",
+                    "latency", "50ms"], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], check=False)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", type=int, default=256, help="file size, MiB")
@@ -112,8 +130,9 @@ def main() -> None:
     ap.add_argument("--read-size", type=int, default=128, help="read size, KiB")
     ap.add_argument("--parallel", type=int, default=4)
     ap.add_argument("--readahead", type=int, default=8, help="read-ahead window, MiB")
+    ap.add_argument("--rate", default="", help="tbf rate on lo for the run, e.g. 200mbit ('' = unshaped)")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="blobbench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="blobbench-") as tmp, shaped(args.rate):
         work = Path(tmp)
         t = time.perf_counter()
         entry, want = build(work / "blob", args.size * MiB, args.chunk_size * MiB)
@@ -134,6 +153,7 @@ def main() -> None:
                 text=True,
             ).stdout
             curl_s = float(out)
+            print(f"link                 {args.rate or 'unshaped loopback'}")
             print(f"curl whole blob      {blob_size / MiB / curl_s:8.1f} MiB/s  ({curl_s:.2f}s)")
 
             config = ReaderConfig(readahead_bytes=args.readahead * MiB)
@@ -144,7 +164,8 @@ def main() -> None:
                     cache = ChunkCache(work / "cache", 4 * args.size * MiB)
                     el, got = await read_all(source, [digest], cache, entry, args.read_size << 10, 1, config)
                     assert got == want, "bytes differ"
-                    print(f"cold seq {args.read_size:4d} KiB    {args.size / el:8.1f} MiB/s  ({el:.2f}s)")
+                    print(f"cold seq {args.read_size:4d} KiB    {args.size / el:8.1f} MiB/s  ({el:.2f}s)  "
+                          f"wire {blob_size / MiB / el:.1f} MiB/s, ratio to curl {curl_s / el:.2f}")
                     el, got = await read_all(source, [digest], cache, entry, args.read_size << 10, 1, config)
                     assert got == want, "bytes differ"
                     print(f"warm seq {args.read_size:4d} KiB    {args.size / el:8.1f} MiB/s  ({el:.2f}s)")
