@@ -42,6 +42,19 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from snapshotter.convert import ConvertOptions, convert, read_prefetch_list
+    from snapshotter.remote.settings import fetch_config_from
+
+    config = load_config(args.config, required=args.config is not None)
+    prefetch = read_prefetch_list(args.prefetch_list) if args.prefetch_list is not None else None
+    options = ConvertOptions(format=args.format, chunk_size=args.chunk_size, prefetch=prefetch,
+                             plain_http=args.plain_http)
+    result = convert(args.src, args.dst, options, fetch_config_from(config))
+    print(f"{args.dst} {result.digest}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="snapshotter", description="A lazy-pulling containerd snapshotter.")
     parser.add_argument("--version", action="version", version=f"snapshotter {__version__}")
@@ -58,6 +71,19 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("target", metavar="FILE_OR_REF", help="a layer blob, a Nydus bootstrap, or an image ref")
     insp.add_argument("--config", type=Path, help="config file (registry hosts, credentials, limits)")
     insp.set_defaults(func=_inspect)
+
+    conv = sub.add_parser("convert", help="convert an image to eStargz, zstd:chunked or Nydus",
+                          description="SRC and DST: a registry reference (HOST[:PORT]/REPO:TAG) or oci:DIR[:TAG].")
+    conv.add_argument("--format", required=True, choices=["estargz", "zstdchunked", "nydus"])
+    conv.add_argument("--prefetch-list", type=Path, metavar="FILE",
+                      help="paths to prefetch, one per line (as `snapshotter record` writes)")
+    conv.add_argument("--chunk-size", type=int, metavar="N",
+                      help="chunk size in bytes (default: 4 MiB eStargz/zstd:chunked, 1 MiB Nydus)")
+    conv.add_argument("--plain-http", action="store_true", help="talk plain HTTP to the registries")
+    conv.add_argument("--config", type=Path, help="config file (registry hosts, credentials, limits)")
+    conv.add_argument("src", metavar="SRC")
+    conv.add_argument("dst", metavar="DST")
+    conv.set_defaults(func=_convert)
     return parser
 
 

@@ -281,3 +281,41 @@ def test_container_keeps_reading_across_daemon_sigkill(lab: Lab, pushed: Pushed)
         time.sleep(0.5)
         lab.ctr("tasks", "delete", "reader-loop", check=False)
         lab.ctr("containers", "delete", "reader-loop", check=False)
+
+
+def _fuse_mounts_under(root: Path) -> list[str]:
+    prefix = str(root) + "/"
+    found = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        sep = fields.index("-")
+        if fields[sep + 1].startswith("fuse") and fields[4].startswith(prefix):
+            found.append(fields[4])
+    return found
+
+
+def test_mount_process_stops_with_the_last_container(lab: Lab, pushed: Pushed) -> None:
+    lab.ctr_remote("image", "rpull", "--plain-http", "--snapshotter", "lazy", pushed.esgz_ref, namespace="unmount")
+    base = ["run", "--snapshotter", "lazy", "--runc-root", str(lab.dir / "runc"), "--fifo-dir", str(lab.dir / "fifo")]
+    lab.ctr(*base, "-d", pushed.esgz_ref, "keeper", "sleep", "30", namespace="unmount")
+    try:
+        mounts = _fuse_mounts_under(lab.snapshotter_root)
+        assert mounts, "a running lazy container is served by a FUSE mount"
+        out = lab.ctr(*base, "--rm", pushed.esgz_ref, "second", "cat", "/etc/layer3.txt", namespace="unmount").stdout
+        assert out == "from layer 3\n"
+        assert _fuse_mounts_under(lab.snapshotter_root) == mounts, "containers of one image share one mount"
+    finally:
+        lab.ctr("tasks", "kill", "-s", "SIGKILL", "keeper", namespace="unmount", check=False)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and "RUNNING" in lab.ctr("tasks", "ls", namespace="unmount").stdout:
+            time.sleep(0.1)
+        lab.ctr("tasks", "delete", "keeper", namespace="unmount", check=False)
+        lab.ctr("containers", "delete", "keeper", namespace="unmount", check=False)
+    # containerd removes the container's snapshot from our backend in its garbage collection pass.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and [m for m in _fuse_mounts_under(lab.snapshotter_root) if m in mounts]:
+        time.sleep(0.2)
+    remaining = [m for m in _fuse_mounts_under(lab.snapshotter_root) if m in mounts]
+    assert not remaining, f"mount left after the image's last container went away: {remaining}"
+    lab.ctr("images", "rm", "--sync", pushed.esgz_ref, namespace="unmount")
+    assert not [m for m in _fuse_mounts_under(lab.snapshotter_root) if m in mounts]

@@ -1,0 +1,60 @@
+"""--prefetch-list: listed files first with the landmark after them (eStargz / zstd:chunked), or the
+Nydus prefetch table; names not in the image are ignored."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from snapshotter.config import Config
+from snapshotter.formats.index import EntryType, Landmark
+from snapshotter.formats.nydus import parse_bootstrap
+from snapshotter.formats.nydus_layer import bootstrap_from_layer
+from snapshotter.image.oci_layout import OciLayout
+from snapshotter.inspect import index_of_file
+from tests.convert.conftest import Source
+from tests.convert.helpers import layout_image, run_cli
+
+RECORD = "/etc/hosts\n/usr/lib/app.so\n\n# a comment\ndata/big.bin\n/not/in/the/image\n"
+# per source layer, the listed names it holds, in list order
+EXPECTED = [("data/big.bin",), ("etc/hosts",), ("usr/lib/app.so", "data/big.bin")]
+
+
+@pytest.mark.parametrize("fmt", ["estargz", "zstdchunked", "nydus"])
+def test_prefetch_list(fmt: str, source: Source, tmp_path: Path) -> None:
+    record = tmp_path / "record.txt"
+    record.write_text(RECORD)
+    out = tmp_path / "out"
+    proc = run_cli("--format", fmt, "--prefetch-list", str(record), "--chunk-size", "65536", source.oci,
+                   f"oci:{out}:p")
+    assert proc.returncode == 0, proc.stderr
+    manifest, _ = layout_image(out, "p")
+    lay = OciLayout(out)
+    if fmt == "nydus":
+        boot = bootstrap_from_layer(lay.blob_path(manifest["layers"][-1]["digest"]).read_bytes(),
+                                    max_bootstrap_bytes=64 << 20)
+        index = parse_bootstrap(boot, max_bootstrap_bytes=64 << 20)
+        assert index.prefetch == ("etc/hosts", "usr/lib/app.so", "data/big.bin")
+        return
+    for layer, want in zip(manifest["layers"], EXPECTED, strict=True):
+        index = index_of_file(lay.blob_path(layer["digest"]), Config())
+        assert index.landmark is Landmark.PREFETCH
+        assert index.prefetch == want
+        # in the blob, the listed files (and their parent directories) precede the landmark
+        names = [e.name for e in index.entries]
+        landmark = names.index(".prefetch.landmark")
+        before = [e.name for e in index.entries[:landmark] if e.type is not EntryType.DIR]
+        assert tuple(before) == want
+    first = index_of_file(lay.blob_path(manifest["layers"][0]["digest"]), Config())
+    assert "etc/passwd" in [e.name for e in first.entries][[e.name for e in first.entries].index(".prefetch.landmark"):]
+
+
+def test_no_prefetch_list_gives_no_prefetch_landmark(source: Source, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = run_cli("--format", "estargz", source.oci, f"oci:{out}:p")
+    assert proc.returncode == 0, proc.stderr
+    manifest, _ = layout_image(out, "p")
+    for layer in manifest["layers"]:
+        index = index_of_file(OciLayout(out).blob_path(layer["digest"]), Config())
+        assert index.landmark is Landmark.NO_PREFETCH and index.prefetch == ()
