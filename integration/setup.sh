@@ -10,11 +10,13 @@ PACKAGES=(
   docker-registry            # the distribution registry (`docker-registry serve cfg.yml`)
   skopeo umoci               # push OCI layouts to the registry; optional layout tooling
   busybox-static             # the static binary our test images are built from
+  debootstrap                # Debian rootfs for the benchmark images (integration/bench)
   erofs-utils                # mkfs.erofs / dump.erofs for Nydus RAFS v6 checks
   stargz-snapshotter         # ctr-remote: eStargz / zstd:chunked conversion and rpull
   iproute2 curl              # tc for bandwidth shaping; registry probes
   util-linux                 # mount, umount, findmnt
   ca-certificates
+  systemd                    # systemd-analyze verify and systemd-tmpfiles check our unit files (tests/ops)
   lz4                        # the reference LZ4 tool, an oracle for our LZ4 block decoder
   golang-go golang-github-containerd-stargz-snapshotter-dev   # builds stargz's own Go reader as an interop oracle
 )

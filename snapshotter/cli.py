@@ -31,6 +31,28 @@ def _serve(args: argparse.Namespace) -> int:
     return daemon.run(config)
 
 
+def _status(args: argparse.Namespace) -> int:
+    import json
+
+    from snapshotter.status import admin_socket_path, fetch_status, render_text
+
+    address = args.address
+    if address is None:
+        address = Path(load_config(args.config, required=args.config is not None).address)
+    admin = admin_socket_path(address)
+    try:
+        doc = fetch_status(admin)
+    except (OSError, ValueError) as exc:
+        print(f"snapshotter status: cannot ask the daemon on {admin}: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        json.dump(doc, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(render_text(doc))
+    return 0
+
+
 def _inspect(args: argparse.Namespace) -> int:
     import json
 
@@ -52,6 +74,25 @@ def _convert(args: argparse.Namespace) -> int:
                              plain_http=args.plain_http)
     result = convert(args.src, args.dst, options, fetch_config_from(config))
     print(f"{args.dst} {result.digest}")
+    return 0
+
+
+def _record(args: argparse.Namespace) -> int:
+    from snapshotter.record import RecordOptions, record, write_profile
+
+    command = list(args.cmd)
+    if command and command[0] == "--":
+        command = command[1:]
+    opts = RecordOptions(ref=args.ref, command=command, address=args.address, namespace=args.namespace,
+                         snapshotter=args.snapshotter, plain_http=args.plain_http, timeout=args.timeout,
+                         run_args=tuple(args.run_arg))
+    result = record(opts)
+    write_profile(result.paths, args.output)
+    for warning in result.warnings:
+        print(f"snapshotter record: warning: {warning}", file=sys.stderr)
+    status = "killed at the timeout" if result.timed_out else f"exit status {result.exit_status}"
+    print(f"snapshotter record: {len(result.paths)} files read ({status})"
+          + (f", written to {args.output}" if args.output else ""), file=sys.stderr)
     return 0
 
 
@@ -84,6 +125,32 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("src", metavar="SRC")
     conv.add_argument("dst", metavar="DST")
     conv.set_defaults(func=_convert)
+
+    rec = sub.add_parser(
+        "record", help="run a command in a container of an image and write the files it read (a prefetch profile)",
+        usage="snapshotter record [options] REF -- CMD [ARGS...]",
+        description="Pull REF lazily through containerd and our snapshotter, run CMD in a container of it "
+                    "(bounded by --timeout), and write the files it read, first read first, one path per line: "
+                    "the profile `snapshotter convert --prefetch-list` takes. REF's layers must be lazy "
+                    "(eStargz, zstd:chunked or Nydus).")
+    rec.add_argument("--timeout", type=float, default=30.0, metavar="S",
+                     help="seconds the command may run; then it is killed and its reads so far recorded (default 30)")
+    rec.add_argument("--output", "-o", type=Path, metavar="FILE", help="profile file (default: stdout)")
+    rec.add_argument("--address", default="/run/containerd/containerd.sock", help="containerd's socket")
+    rec.add_argument("--namespace", "-n", default="default", help="containerd namespace (default 'default')")
+    rec.add_argument("--snapshotter", default="lazy", help="containerd's name for our snapshotter (default 'lazy')")
+    rec.add_argument("--plain-http", action="store_true", help="pull over plain HTTP")
+    rec.add_argument("--run-arg", action="append", default=[], metavar="FLAG",
+                     help="extra `ctr run` flag, e.g. --run-arg=--runc-root=/run/r (repeatable)")
+    rec.add_argument("ref", metavar="REF")
+    rec.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD", help="command and arguments")
+    rec.set_defaults(func=_record)
+    status = sub.add_parser("status", help="what the running daemon serves: per image and layer, lazy or not")
+    status.add_argument("--json", action="store_true", help="print the status document as JSON")
+    status.add_argument("--address", type=Path,
+                        help=f"the daemon's gRPC socket; its admin socket is ADDRESS.admin (default {Config.address})")
+    status.add_argument("--config", type=Path, help="config file naming the address")
+    status.set_defaults(func=_status)
     return parser
 
 

@@ -45,6 +45,16 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True)
+class PrefetchConfig:
+    background: bool = field(default=True, metadata={
+        "doc": "after the landmark prefetch, fetch the rest of each mounted layer into the cache"})
+    background_bytes_per_second: int = field(default=0, metadata={
+        "doc": "bandwidth cap of the background fetch per mount (0 = unlimited)"})
+    background_delay: float = field(default=3.0, metadata={
+        "doc": "seconds without on-demand reads before the background fetch starts or resumes"})
+
+
+@dataclass(frozen=True)
 class Config:
     root: str = field(default=str(DEFAULT_ROOT), metadata={"doc": "state directory (metadata, snapshots, cache)"})
     address: str = field(default=str(DEFAULT_ADDRESS), metadata={"doc": "unix socket containerd connects to"})
@@ -58,6 +68,7 @@ class Config:
     registry: RegistryConfig = field(default_factory=RegistryConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
 
     def replace(self, **changes: Any) -> Config:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -65,7 +76,8 @@ class Config:
         return Config(**values)
 
 
-_SECTIONS: dict[str, type] = {"registry": RegistryConfig, "cache": CacheConfig, "limits": LimitsConfig}
+_SECTIONS: dict[str, type] = {"registry": RegistryConfig, "cache": CacheConfig, "limits": LimitsConfig,
+                              "prefetch": PrefetchConfig}
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -92,6 +104,10 @@ def _check_value(path: str, key: str, section: str | None, text: str, value: Any
         dotted = f"{section}.{key}" if section else key
         return ConfigError(f"{where}: key '{dotted}': {msg}")
 
+    if expected is bool:
+        if not isinstance(value, bool):
+            raise fail(f"expected true or false, got {type(value).__name__} {value!r}")
+        return value
     if expected is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise fail(f"expected a number, got {type(value).__name__} {value!r}")
@@ -131,7 +147,8 @@ def _build(cls: type, data: dict[str, Any], *, path: str, text: str, section: st
                 raise ConfigError(f"{path}: key '{key}' must be a table [{key}]")
             values[key] = _build(_SECTIONS[key], value, path=path, text=text, section=key)
             continue
-        expected = {"str": str, "int": int, "float": float}[ftype if isinstance(ftype, str) else ftype.__name__]
+        type_name = ftype if isinstance(ftype, str) else ftype.__name__
+        expected = {"str": str, "int": int, "float": float, "bool": bool}[type_name]
         values[key] = _check_value(path, key, section, text, value, expected)
     return cls(**values)
 

@@ -14,19 +14,24 @@ import socket
 import stat
 import threading
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from prometheus_client import start_http_server
 
 from snapshotter import metrics
+from snapshotter.admin import AdminServer
+from snapshotter.cache import ChunkCache
 from snapshotter.config import Config
 from snapshotter.errors import SnapshotterError
 from snapshotter.grpcapi import SnapshotsServicer, add_to_server
 from snapshotter.remote.backend import RemoteBackend
 from snapshotter.remote.mounts import MountManager
+from snapshotter.remote.mountstats import MountStatsCollector
 from snapshotter.snapshots.service import Snapshotter
+from snapshotter.status import admin_socket_path, build_status
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +90,30 @@ class Daemon:
     server: grpc.Server | None = None
     snapshotter: Snapshotter | None = None
     mounter: MountManager | None = None
+    backend: RemoteBackend | None = None
+    admin: AdminServer | None = None
     _owns_socket: bool = False
+    _metrics_server: Any = None
+    _collector: MountStatsCollector | None = None
+    _cache: ChunkCache | None = None
+    _cache_lock: threading.Lock = field(default_factory=threading.Lock)
+    _watch_stop: threading.Event = field(default_factory=threading.Event)
+
+    def cache_usage(self) -> tuple[int, int]:
+        """(bytes, chunks) in the chunk cache the mount processes share (opened on first use)."""
+        with self._cache_lock:
+            if self._cache is None:
+                self._cache = ChunkCache(Path(self.config.root) / "cache", self.config.cache.max_bytes)
+            usage = self._cache.usage()
+        return usage.bytes, usage.chunks
+
+    def status(self) -> dict[str, Any]:
+        """The `snapshotter status` document (snapshotter/status.py)."""
+        assert self.snapshotter is not None and self.mounter is not None and self.backend is not None
+        mounter = self.mounter
+        return build_status(list(self.snapshotter.walk([])), self.backend.layers, mounter.dir, mounter.alive,
+                            mounter.pids(), self.cache_usage, self.config.cache.max_bytes,
+                            {"pid": os.getpid(), "root": self.config.root, "address": self.config.address})
 
     def start(self) -> None:
         root = Path(self.config.root)
@@ -94,12 +122,20 @@ class Daemon:
         root.mkdir(parents=True, exist_ok=True)
         self.snapshotter = Snapshotter(root)
         self.mounter = MountManager(self.config)
-        backend = RemoteBackend(self.snapshotter, self.config, self.mounter)
+        backend = self.backend = RemoteBackend(self.snapshotter, self.config, self.mounter)
         # Adopt surviving mount processes (and clear stale mounts) off the start-up path.
         threading.Thread(target=self.mounter.adopt, name="adopt-mounts", daemon=True).start()
+        # Report mount processes that die (they are replaced on their image's next use).
+        self._watch_stop.clear()
+        threading.Thread(target=self.mounter.watch, args=(self._watch_stop,), name="watch-mounts",
+                         daemon=True).start()
         if self.config.metrics_address:
             host, _, port = self.config.metrics_address.rpartition(":")
-            start_http_server(int(port), addr=host or "127.0.0.1", registry=metrics.REGISTRY)
+            self._collector = MountStatsCollector(self.mounter.dir, self.cache_usage)
+            metrics.REGISTRY.register(self._collector)
+            self._metrics_server, _thread = start_http_server(int(port), addr=host or "127.0.0.1",
+                                                              registry=metrics.REGISTRY)
+            log.info("event=metrics_serving address=%s", self.config.metrics_address)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpc"),
                                   options=[("grpc.max_receive_message_length", 16 << 20)])
         add_to_server(SnapshotsServicer(backend, observe=metrics.observe_grpc), self.server)
@@ -112,17 +148,34 @@ class Daemon:
             os.umask(old_umask)
         self._owns_socket = True
         os.chmod(address, 0o660)
+        self.admin = AdminServer(admin_socket_path(address), self.status)
+        self.admin.start()
         log.info("event=serving address=%s root=%s pid=%d", address, root, os.getpid())
         notify_systemd("READY=1")
 
     def stop(self) -> None:
         notify_systemd("STOPPING=1")
+        self._watch_stop.set()
+        if self.admin is not None:
+            self.admin.stop()
+            self.admin = None
         if self.server is not None:
             self.server.stop(GRACE_SECONDS).wait(GRACE_SECONDS + 1)
             self.server = None
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+            self._metrics_server = None
+        if self._collector is not None:
+            metrics.REGISTRY.unregister(self._collector)
+            self._collector = None
         if self.snapshotter is not None:
             self.snapshotter.close()
             self.snapshotter = None
+        with self._cache_lock:
+            if self._cache is not None:
+                self._cache.close()
+                self._cache = None
         if self._owns_socket:  # never remove a socket another daemon serves
             self._owns_socket = False
             try:

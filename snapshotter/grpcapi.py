@@ -21,6 +21,7 @@ from snapshotter._proto.containerd.services.snapshots.v1 import snapshots_pb2 as
 from snapshotter._proto.containerd.services.snapshots.v1 import snapshots_pb2_grpc as pb_grpc
 from snapshotter._proto.containerd.types import mount_pb2
 from snapshotter.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from snapshotter.logs import q
 from snapshotter.snapshots.model import Info, Kind, Mount, Usage
 
 log = logging.getLogger(__name__)
@@ -86,13 +87,13 @@ def _rpc(method: Callable[..., R]) -> Callable[..., R]:
         except Exception as exc:
             for cls, code in _CODES:
                 if isinstance(exc, cls):
-                    log.debug("event=grpc method=%s key=%s code=%s error=%s", name, key, code.name, exc)
+                    log.debug("event=grpc method=%s key=%s code=%s error=%s", name, q(key), code.name, q(exc))
                     self.observe(name, code.name, time.monotonic() - start)
                     context.abort(code, str(exc))
-            log.exception("event=grpc_internal_error method=%s key=%s", name, key)
+            log.exception("event=grpc_internal_error method=%s key=%s", name, q(key))
             self.observe(name, "INTERNAL", time.monotonic() - start)
             context.abort(grpc.StatusCode.INTERNAL, f"{name} {key!r}: {type(exc).__name__}: {exc}")
-        log.debug("event=grpc method=%s key=%s code=OK", name, key)
+        log.debug("event=grpc method=%s key=%s code=OK", name, q(key))
         self.observe(name, "OK", time.monotonic() - start)
         return result
 

@@ -119,6 +119,9 @@ class ChunkCache:
         self._db: sqlite3.Connection | None = None
         self._db_pid = -1
         self._me: tuple[int, str] | None = None
+        # Chunks and bytes this object evicted to make room (LRU), since it was made.
+        self.evicted_chunks = 0
+        self.evicted_bytes = 0
         try:
             (self.root / "chunks").mkdir(parents=True, exist_ok=True)
             self._connect()
@@ -363,6 +366,8 @@ class ChunkCache:
             for key, size in victims:
                 self._remove_locked(db, key)
                 excess -= size
+                self.evicted_chunks += 1
+                self.evicted_bytes += size
                 if excess <= 0:
                     break
         return True

@@ -33,7 +33,7 @@ import random
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 from urllib.parse import urljoin, urlsplit
 
@@ -138,6 +138,17 @@ class FetchStatistics:
     multi_range_requests: int = 0
     retries: int = 0
     bytes_received: int = 0
+    # Body bytes by the host (HOST[:PORT]) that sent them: a mirror or the origin.
+    bytes_by_host: dict[str, int] = field(default_factory=dict)
+
+    def note_bytes(self, resp: httpx.Response, n: int) -> None:
+        self.bytes_received += n
+        try:
+            url = resp.request.url
+            host = f"{url.host}:{url.port}" if url.port else url.host  # never the userinfo part
+        except RuntimeError:  # a response built without a request (tests)
+            host = ""
+        self.bytes_by_host[host] = self.bytes_by_host.get(host, 0) + n
 
 
 @dataclass(frozen=True)
@@ -487,7 +498,7 @@ class RegistryClient:
         skipped = 0
         buf = bytearray()
         async for piece in resp.aiter_raw():
-            self.stats.bytes_received += len(piece)
+            self.stats.note_bytes(resp, len(piece))
             if skipped < br.start:
                 drop = min(br.start - skipped, len(piece))
                 skipped += drop
@@ -517,7 +528,7 @@ class RegistryClient:
     async def _read_body(self, resp: httpx.Response, limit: int, ctx: _Ctx, *, exact: int | None) -> bytes:
         buf = bytearray()
         async for piece in resp.aiter_raw():
-            self.stats.bytes_received += len(piece)
+            self.stats.note_bytes(resp, len(piece))
             buf += piece
             if len(buf) > limit:
                 raise _AttemptError(f"body larger than {limit} bytes", retryable=exact is not None)

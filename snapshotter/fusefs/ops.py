@@ -10,7 +10,9 @@ Contracts:
   the kernel request unanswered): a reader raising one of our errors (FetchError,
   DigestMismatch, any SnapshotterError) or OSError gives EIO, so does a read that takes longer
   than `fetch_timeout` (the reader is cancelled), and so does an unexpected exception (logged
-  with its traceback).
+  with its traceback). A read overlapping one of the same file that failed slowly (at least
+  fetch_timeout/2) less than RECENT_FAILURE_SECONDS ago fails at once: the kernel retries a
+  failed readahead as a one-page read, which would double the caller's wait.
 - A read returns exactly min(size, file size - offset) bytes, or fails; a reader returning
   another length is a bug reported as EIO, never a silent short read.
 - Readdir offsets are positions in the directory's sorted name list, so they stay valid
@@ -26,8 +28,9 @@ import functools
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import pyfuse3
@@ -41,6 +44,11 @@ log = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 T = TypeVar("T")
+
+# A read overlapping one that failed slowly (timed out) this recently fails at once (see
+# LazyOperations.read): long enough for the kernel's immediate retry, short enough that a
+# caller's own retry reaches the registry again.
+RECENT_FAILURE_SECONDS = 0.25
 
 
 class LayerReader(Protocol):
@@ -68,15 +76,48 @@ class FsConfig:
             raise ValueError(f"bad filesystem config {self}")
 
 
+# Upper bounds (seconds) of the FUSE latency histogram buckets; a last, implicit bucket is +Inf.
+LATENCY_BUCKETS: tuple[float, ...] = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
+
+
+@dataclass
+class OpStatistics:
+    """One FUSE operation: calls, calls answered with an error, latency (sum and per-bucket
+    counts, NOT cumulative; `buckets[-1]` counts calls slower than every bound)."""
+
+    count: int = 0
+    errors: int = 0
+    seconds: float = 0.0
+    buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+
+    def observe(self, seconds: float, error: bool) -> None:
+        self.count += 1
+        self.errors += error
+        self.seconds += seconds
+        for i, bound in enumerate(LATENCY_BUCKETS):
+            if seconds <= bound:
+                self.buckets[i] += 1
+                return
+        self.buckets[-1] += 1
+
+
 @dataclass
 class FsStatistics:
-    """Counters since the Operations were made (a live object)."""
+    """Counters since the Operations were made (a live object). `ops` is keyed by operation
+    name (lookup, getattr, read, ...): every request that goes through `_edge`."""
 
     reads: int = 0
     read_bytes: int = 0
     read_errors: int = 0
     read_timeouts: int = 0
     unexpected_errors: int = 0
+    ops: dict[str, OpStatistics] = field(default_factory=dict)
+
+    def observe(self, op: str, seconds: float, error: bool) -> None:
+        stat = self.ops.get(op)
+        if stat is None:
+            stat = self.ops[op] = OpStatistics()
+        stat.observe(seconds, error)
 
 
 class ReadRecorder:
@@ -115,14 +156,20 @@ def _edge(
 
     @functools.wraps(fn)
     async def wrapper(self: LazyOperations, *args: P.args, **kwargs: P.kwargs) -> T:
+        start = time.monotonic()
+        error = True
         try:
-            return await fn(self, *args, **kwargs)
+            result = await fn(self, *args, **kwargs)
+            error = False
+            return result
         except pyfuse3.FUSEError:
             raise
         except Exception:
             self.stats.unexpected_errors += 1
             log.exception("fuse %s%r failed unexpectedly", fn.__name__, args)
             raise pyfuse3.FUSEError(errno.EIO) from None
+        finally:
+            self.stats.observe(fn.__name__, time.monotonic() - start, error)
 
     return wrapper
 
@@ -154,6 +201,8 @@ class LazyOperations(pyfuse3.Operations):
         self.recorder = recorder if recorder is not None else ReadRecorder()
         self.stats = FsStatistics()
         self.lookup_counts: dict[int, int] = {}
+        # inode -> (when, offset, end) of its last failed read; see `read`.
+        self._failed: dict[int, tuple[float, int, int]] = {}
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -271,6 +320,14 @@ class LazyOperations(pyfuse3.Operations):
             return b""
         self.recorder.note(node)
         self.stats.reads += 1
+        started = time.monotonic()
+        failed = self._failed.get(fh)
+        if failed is not None and started - failed[0] < RECENT_FAILURE_SECONDS \
+                and off < failed[2] and failed[1] < off + want:
+            # The kernel retries a failed readahead at once as a one-page read: answering it
+            # from the slow failure just seen keeps the caller's wait at one fetch_timeout, not two.
+            self.stats.read_errors += 1
+            raise pyfuse3.FUSEError(errno.EIO)
         reader = self.readers[node.layer]
         data: bytes | None = None
         with trio.move_on_after(self.config.fetch_timeout):
@@ -278,13 +335,17 @@ class LazyOperations(pyfuse3.Operations):
                 data = await reader.read(node.entry, off, want)
             except (SnapshotterError, OSError) as exc:
                 self.stats.read_errors += 1
+                if time.monotonic() - started >= self.config.fetch_timeout / 2:
+                    self._failed[fh] = (time.monotonic(), off, off + want)
                 log.warning("read of %r [%d, +%d) failed: %s: %s", node.path, off, want, type(exc).__name__, exc)
                 raise pyfuse3.FUSEError(errno.EIO) from None
         if data is None:
             self.stats.read_timeouts += 1
+            self._failed[fh] = (time.monotonic(), off, off + want)
             log.warning("read of %r [%d, +%d) took over %.1fs; answering EIO",
                         node.path, off, want, self.config.fetch_timeout)
             raise pyfuse3.FUSEError(errno.EIO)
+        self._failed.pop(fh, None)
         if len(data) != want:
             self.stats.read_errors += 1
             log.error("reader returned %d bytes for %r [%d, +%d)", len(data), node.path, off, want)

@@ -9,13 +9,15 @@ State file, version 1:
     {
       "version": 1,                  # optional; other versions are refused
       "mountpoint": "/var/lib/snapshotter/mnt/<id>",       # an existing directory
-      "ready_file": "/run/snapshotter/<id>.ready",          # optional; written once mounted, removed on exit
+      "ready_file": "/run/snapshotter/<id>.ready",          # optional; written once mounted and prefetched
+                                                            # (see below), removed on exit
       "record_file": "/run/snapshotter/<id>.record.json",   # optional; first-read order, see below
       "subtrees": true,              # root holds "0", "1", ... one dir per run (overlay lowerdirs)
       "opaque_xattrs": ["trusted.overlay.opaque"],          # optional
       "fetch_timeout": 30.0,         # optional; seconds per FUSE read before EIO
       "cache_timeout": 86400.0,      # optional; kernel entry/attr cache seconds
       "max_tasks": 64,               # optional; concurrent FUSE request tasks
+      "prefetch_timeout": 10.0,      # optional (else config.prefetch_timeout); see fusefs/prefetch.py
       "runs": [                      # lowest run first; each run lowest layer first
         [{"digest": "sha256:...",                         # for logs ("layer_digest" also accepted)
           "index": "/var/lib/snapshotter/layers/<hex>/index.json",   # index_codec.dump_index output
@@ -28,7 +30,9 @@ Reader kinds: "file" (a local copy of the blob; "blob_paths": [...] for multi-bl
 built in; others are added to `READER_KINDS` (or passed to `main(reader_kinds=...)`): a
 ReaderFactory is `(LayerSpec, LayerIndex, ReaderEnv) -> async context manager of LayerReader`.
 
-Ready file (JSON, written atomically): {"pid", "mountpoint", "inodes", "file_bytes"}.
+Ready file (JSON, written atomically): {"pid", "mountpoint", "inodes", "file_bytes", "prefetch"},
+written when every layer's landmark prefetch has ended or prefetch_timeout has passed, whichever
+is first ("prefetch": "done" or "timeout"); the mount serves reads before that.
 Record file (JSON, written atomically on SIGUSR1 and at exit): {"files": [{"path", "layer",
 "name"}, ...]} in first-read order (`ops.ReadRecorder`).
 Exit status: 0 after a clean stop or an external unmount; 2 for a bad state file or index;
@@ -46,7 +50,6 @@ import logging
 import math
 import os
 import signal
-import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
@@ -63,6 +66,8 @@ from snapshotter.formats.digest import check_digest
 from snapshotter.formats.index import Chunk, Entry, EntryType, LayerIndex
 from snapshotter.formats.index_codec import load_index
 from snapshotter.fusefs.ops import FsConfig, LayerReader, LazyOperations, ReadRecorder
+from snapshotter.fusefs.prefetch import Prefetcher, PrefetchSettings
+from snapshotter.fusefs.stats import run_stats_writer
 from snapshotter.fusefs.tree import DEFAULT_OPAQUE_XATTRS, MountTree, build_tree
 
 log = logging.getLogger(__name__)
@@ -94,6 +99,7 @@ class MountState:
     fetch_timeout: float = 30.0
     cache_timeout: float = 24 * 3600.0
     max_tasks: int = 64
+    bare_runs: tuple[int, ...] = ()  # runs with nothing below them: no overlay markers needed
     doc: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
@@ -149,10 +155,13 @@ def parse_state(data: bytes, what: str = "state file") -> MountState:
         raise ConfigError(f"{what}: opaque_xattrs must be strings")
     record_file = _get(doc, "record_file", (str, type(None)), what, None)
     ready_file = _get(doc, "ready_file", (str, type(None)), what, None)
+    bare_runs = _get(doc, "bare_runs", list, what, [])
+    if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < len(runs) for x in bare_runs):
+        raise ConfigError(f"{what}: bare_runs must be run numbers below {len(runs)}")
     return MountState(
         mountpoint=_get(doc, "mountpoint", str, what), ready_file=ready_file, runs=tuple(runs),
         record_file=record_file, subtrees=subtrees, opaque_xattrs=tuple(opaque), fetch_timeout=fetch_timeout,
-        cache_timeout=cache_timeout, max_tasks=max_tasks, doc=doc,
+        cache_timeout=cache_timeout, max_tasks=max_tasks, bare_runs=tuple(bare_runs), doc=doc,
     )
 
 
@@ -168,7 +177,7 @@ def load_tree(state: MountState) -> MountTree:
             except FormatError as exc:
                 raise FormatError(f"layer index {spec.index_path} ({spec.digest or 'no digest'}): {exc}") from None
         runs.append(indexes)
-    return build_tree(runs, subtrees=state.subtrees, opaque_xattrs=state.opaque_xattrs)
+    return build_tree(runs, subtrees=state.subtrees, opaque_xattrs=state.opaque_xattrs, bare_runs=state.bare_runs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,6 +327,24 @@ async def _watch_signals(state: MountState, recorder: ReadRecorder, stop: trio.C
                 return
 
 
+async def _ready_after_prefetch(state: MountState, tree: MountTree, prefetcher: Prefetcher) -> None:
+    """Write the ready file once every layer's landmark prefetch ended or prefetch_timeout
+    passed, whichever is first (the mount serves reads meanwhile; prefetch goes on after)."""
+    timeout = prefetcher.settings.prefetch_timeout
+    began = trio.current_time()
+    with trio.move_on_after(timeout):
+        await prefetcher.prefetched.wait()
+    summary = prefetcher.summary()
+    log.info("event=ready prefetch=%s waited=%.3f timeout=%.1f prefetch_bytes=%d prefetch_requests=%d",
+             "done" if summary["prefetch_done"] else "timeout", trio.current_time() - began, timeout,
+             summary["prefetch_bytes"], summary["prefetch_requests"])
+    if state.ready_file:
+        _write_atomic(state.ready_file, json.dumps({
+            "pid": os.getpid(), "mountpoint": state.mountpoint, "inodes": len(tree),
+            "file_bytes": tree.file_bytes, "prefetch": "done" if summary["prefetch_done"] else "timeout",
+        }).encode())
+
+
 async def serve(state: MountState, tree: MountTree, reader_kinds: Mapping[str, ReaderFactory]) -> int:
     """Mount `tree` at state.mountpoint and serve it until stopped; returns the exit status."""
     layer_specs = [spec for run in state.runs for spec in run]
@@ -333,8 +360,13 @@ async def serve(state: MountState, tree: MountTree, reader_kinds: Mapping[str, R
         for spec, index in zip(layer_specs, tree.layers, strict=True):
             factory = reader_kinds[spec.reader["kind"]]
             readers.append(await stack.enter_async_context(factory(spec, index, env)))
-        ops = LazyOperations(tree, readers, FsConfig(fetch_timeout=state.fetch_timeout,
-                                                     cache_timeout=state.cache_timeout), recorder)
+        prefetcher = Prefetcher(tree, readers, [spec.digest for spec in layer_specs],
+                                PrefetchSettings.from_doc(state.doc))
+        env.shared.setdefault("stats_hooks", []).append(prefetcher.stats_hook)
+        # The filesystem reads through tracked readers: on-demand reads pause the background fetch.
+        ops = LazyOperations(tree, prefetcher.tracked(readers), FsConfig(fetch_timeout=state.fetch_timeout,
+                                                                         cache_timeout=state.cache_timeout), recorder)
+        nursery.start_soon(run_stats_writer, state, ops, readers, env)  # state["stats_file"], if named
         _detach_stale_mount(state.mountpoint)
         try:
             pyfuse3.init(ops, state.mountpoint, set(MOUNT_OPTIONS))
@@ -343,14 +375,11 @@ async def serve(state: MountState, tree: MountTree, reader_kinds: Mapping[str, R
             return 1
         unmounted_outside = False
         try:
-            if state.ready_file:
-                _write_atomic(state.ready_file, json.dumps({
-                    "pid": os.getpid(), "mountpoint": state.mountpoint, "inodes": len(tree),
-                    "file_bytes": tree.file_bytes,
-                }).encode())
             log.info("serving %d inodes from %d layers at %s", len(tree), len(tree.layers), state.mountpoint)
             async with trio.open_nursery() as inner:
                 inner.start_soon(_watch_signals, state, recorder, inner.cancel_scope)
+                inner.start_soon(prefetcher.run)
+                inner.start_soon(_ready_after_prefetch, state, tree, prefetcher)
                 await pyfuse3.main(max_tasks=state.max_tasks)
                 # main() returns by itself only when the kernel ended the session.
                 unmounted_outside = True
@@ -370,9 +399,12 @@ def main(argv: Sequence[str] | None = None, *, reader_kinds: Mapping[str, Reader
     parser = argparse.ArgumentParser(prog="python -m snapshotter.fusefs", description=__doc__.split("\n")[0])
     parser.add_argument("state_file", help="JSON state file written by the daemon")
     parser.add_argument("--log-level", default=os.environ.get("SNAPSHOTTER_FUSE_LOG", "INFO"))
+    parser.add_argument("--log-format", choices=["text", "json"], default="text",
+                        help="text (key=value) or json, as the daemon's log_format")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s fusefs[%(process)d] %(name)s: %(message)s")
+    from snapshotter.logs import setup_logging
+
+    setup_logging(args.log_level, args.log_format)
     from snapshotter.fusefs.registry_reader import registry_reader  # the IO stack only the real mounts need
 
     kinds = {**READER_KINDS, "registry": registry_reader, **(reader_kinds or {})}

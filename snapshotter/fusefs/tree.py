@@ -49,7 +49,7 @@ from __future__ import annotations
 import os
 import posixpath
 import stat
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -340,7 +340,8 @@ class _RunMerger:
             made[e.name] = node
 
 
-def _freeze(roots: list[_B], subtrees: bool, opaque_xattrs: Sequence[str]) -> tuple[dict[int, Node], int]:
+def _freeze(roots: list[_B], subtrees: bool, opaque_xattrs: Sequence[str],
+            bare_runs: Collection[int] = ()) -> tuple[dict[int, Node], int]:
     """Number the nodes depth first and build the immutable Nodes. Returns (nodes, file bytes)."""
     top = _B(type=EntryType.DIR)
     if subtrees:
@@ -348,34 +349,35 @@ def _freeze(roots: list[_B], subtrees: bool, opaque_xattrs: Sequence[str]) -> tu
     else:
         top = roots[0]
     inode_of: dict[int, int] = {}
-    order: list[tuple[_B, str, int]] = []  # (node, first path, parent inode) in inode order
+    order: list[tuple[_B, str, int, bool]] = []  # (node, first path, parent inode, marked) in inode order
     names_seen: dict[int, int] = {}
     next_inode = ROOT_INODE
-    stack: list[tuple[_B, str, int]] = [(top, "", ROOT_INODE)]
+    stack: list[tuple[_B, str, int, bool]] = [(top, "", ROOT_INODE, subtrees)]
     while stack:
-        b, path, parent = stack.pop()
+        b, path, parent, marked = stack.pop()
         key = id(b)
         names_seen[key] = names_seen.get(key, 0) + 1
         if key in inode_of:
             continue
         inode_of[key] = next_inode
-        order.append((b, path, parent))
+        order.append((b, path, parent, marked))
         me = next_inode
         next_inode += 1
         if b.is_real_dir:
             for name in sorted(b.children, key=os.fsencode, reverse=True):
-                stack.append((b.children[name], f"{path}/{name}" if path else name, me))
+                child_marked = marked and not (b is top and subtrees and int(name) in bare_runs)
+                stack.append((b.children[name], f"{path}/{name}" if path else name, me, child_marked))
 
     nodes: dict[int, Node] = {}
     file_bytes = 0
     opaque_values = {x: OPAQUE_VALUE for x in opaque_xattrs}
-    for b, path, parent in order:
+    for b, path, parent, marked in order:
         inode = inode_of[id(b)]
         if b.is_real_dir:
             names = tuple(sorted(b.children, key=os.fsencode))
             children = {n: inode_of[id(b.children[n])] for n in names}
             nlink = 2 + sum(1 for c in b.children.values() if c.is_real_dir)
-            opaque = subtrees and b.hides_below and bool(opaque_xattrs) and path != ""
+            opaque = marked and b.hides_below and bool(opaque_xattrs) and path != ""
             xattrs = b.xattrs
             if opaque:
                 xattrs = MappingProxyType({**b.xattrs, **opaque_values})
@@ -398,6 +400,7 @@ def build_tree(
     *,
     subtrees: bool = True,
     opaque_xattrs: Sequence[str] = DEFAULT_OPAQUE_XATTRS,
+    bare_runs: Collection[int] = (),
 ) -> MountTree:
     """Merge `runs` (each lowest layer first) into one MountTree; see the module docstring.
 
@@ -405,6 +408,9 @@ def build_tree(
     markers. subtrees=False: exactly one run, merged at the root, whiteouts fully applied.
     opaque_xattrs: the xattr names (value b"y") set on opaque subtree dirs; use
     ("user.overlay.opaque",) for an overlay mounted with `userxattr`.
+    bare_runs: runs with no layer below them in the image (typically run 0 when the image's lowest
+    layer is remote). Their whiteouts are applied fully and they carry no overlay markers, so the
+    subtree is also right where containerd mounts it alone (a bind mount for a read-only view).
     """
     if not subtrees and len(runs) != 1:
         raise ValueError(f"a mount without subtrees needs exactly one run, got {len(runs)}")
@@ -412,13 +418,13 @@ def build_tree(
     run_of_layer: list[int] = []
     roots: list[_B] = []
     for run_no, run in enumerate(runs):
-        merger = _RunMerger(markers=subtrees)
+        merger = _RunMerger(markers=subtrees and run_no not in bare_runs)
         for index in run:
             merger.apply(index, len(layers))
             layers.append(index)
             run_of_layer.append(run_no)
         roots.append(merger.root)
-    nodes, file_bytes = _freeze(roots, subtrees, opaque_xattrs)
+    nodes, file_bytes = _freeze(roots, subtrees, opaque_xattrs, bare_runs)
     return MountTree(
         nodes=MappingProxyType(nodes), layers=tuple(layers), run_of_layer=tuple(run_of_layer),
         subtrees=subtrees, file_bytes=file_bytes,

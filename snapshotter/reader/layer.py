@@ -28,10 +28,11 @@ hashing run in worker threads):
 
 from __future__ import annotations
 
+import contextvars
 import logging
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 
 import trio
@@ -55,6 +56,24 @@ from snapshotter.reader.source import RangeSource
 log = logging.getLogger(__name__)
 
 _MAX_SEQ_TRACKED = 1024
+# Why bytes are being fetched: "on_demand" (a read), "prefetch" (`prefetch()`), "background"
+# (read-ahead). Trio tasks inherit the context of the task that starts them, so a fetch led on
+# behalf of a prefetch or a read-ahead is counted under that cause.
+FETCH_CAUSES = ("on_demand", "prefetch", "background")
+_CAUSE: contextvars.ContextVar[str] = contextvars.ContextVar("fetch_cause", default="on_demand")
+
+
+@contextmanager
+def fetch_cause(cause: str) -> Iterator[None]:
+    """Count the fetches of this task (and tasks it starts) under `cause` (one of FETCH_CAUSES),
+    e.g. `with fetch_cause("background"): await reader.prefetch(entry)` for a background fill."""
+    if cause not in FETCH_CAUSES:
+        raise ValueError(f"unknown fetch cause {cause!r}")
+    token = _CAUSE.set(cause)
+    try:
+        yield
+    finally:
+        _CAUSE.reset(token)
 _SEQ_SLACK = 256 << 10
 
 
@@ -105,6 +124,8 @@ class ReaderStatistics:
     readahead_chunks: int = 0
     readahead_skipped: int = 0
     cache_put_failures: int = 0
+    cache_misses: int = 0
+    fetched_bytes_by_cause: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FETCH_CAUSES, 0))
 
 
 class _Flight:
@@ -140,10 +161,31 @@ class _SeqState:
 
 @dataclass
 class _Job:
-    """Chunks this task leads, keyed by cache key."""
+    """Chunks this task leads, keyed by cache key, how to group them into range requests
+    (`max_gap`, `max_run_bytes`; 0: contiguous ranges up to max_merge_bytes) and what it cost."""
 
     chunks: dict[str, Chunk] = field(default_factory=dict)
     flights: dict[str, _Flight] = field(default_factory=dict)
+    max_gap: int = 0
+    max_run_bytes: int = 0
+    requests: int = 0
+    fetched_bytes: int = 0
+    skipped: int = 0
+
+
+@dataclass
+class FetchTally:
+    """What one `fetch_chunks` call did. requests/fetched_bytes: range requests it made and their
+    compressed bytes (gaps included); fetched: chunks it fetched; present: chunks that were
+    cached or being fetched by someone else already; skipped: chunks a background fetch left out
+    for lack of memory budget; failed: chunks whose fetch failed (background only)."""
+
+    requests: int = 0
+    fetched_bytes: int = 0
+    fetched: int = 0
+    present: int = 0
+    skipped: int = 0
+    failed: int = 0
 
 
 class LayerReader:
@@ -193,12 +235,58 @@ class LayerReader:
         cache = self.cache
         if cache is None or entry.type is not EntryType.REG:
             return
+        # A caller that named its cause (fetch_cause("background")) keeps it.
+        token = _CAUSE.set("prefetch" if _CAUSE.get() == "on_demand" else _CAUSE.get())
+        try:
+            if pin:
+                keys = [self.key_for(c) for c in entry.chunks]
+                await trio.to_thread.run_sync(cache.pin, keys, limiter=self._cache_limiter)
+            step = max(self.config.max_merge_bytes, 1)
+            for start in range(0, entry.size, step):
+                await self._ensure_cached(entry.chunks_for(start, step), background=False)
+        finally:
+            _CAUSE.reset(token)
+
+    async def fetch_chunks(
+        self,
+        chunks: Sequence[Chunk],
+        *,
+        pin: bool = False,
+        max_gap: int = 0,
+        max_run_bytes: int = 0,
+        background: bool = False,
+    ) -> FetchTally:
+        """Fetch into the cache those of `chunks` that are neither cached nor being fetched.
+
+        Chunks of one blob whose compressed ranges are at most `max_gap` bytes apart share one
+        range request of at most `max_run_bytes` (0: `max_merge_bytes`); the gaps' bytes are
+        fetched and dropped. Landmark prefetch uses this to read a layer's prefetch region (file
+        payloads separated by small tar headers) in one request.
+        pin=True pins the chunks first (see `prefetch`). background=True never waits for the
+        byte budget (a run that does not fit is skipped) and counts failures instead of raising;
+        otherwise the first chunk error propagates.
+        """
+        tally = FetchTally()
+        cache = self.cache
+        if cache is None or not chunks:
+            return tally
+        by_key = {self.key_for(c): c for c in chunks if not c.zeros}
         if pin:
-            keys = [self.key_for(c) for c in entry.chunks]
-            await trio.to_thread.run_sync(cache.pin, keys, limiter=self._cache_limiter)
-        step = max(self.config.max_merge_bytes, 1)
-        for start in range(0, entry.size, step):
-            await self._ensure_cached(entry.chunks_for(start, step), background=False)
+            await trio.to_thread.run_sync(cache.pin, list(by_key), limiter=self._cache_limiter)
+        token = _CAUSE.set("background" if background else "prefetch")
+        try:
+            job = await self._ensure_cached(list(by_key.values()), background=background, max_gap=max_gap,
+                                            max_run_bytes=max_run_bytes)
+        finally:
+            _CAUSE.reset(token)
+        tally.requests, tally.fetched_bytes, tally.skipped = job.requests, job.fetched_bytes, job.skipped
+        tally.present = len(by_key) - len(job.flights)
+        for flight in job.flights.values():
+            if flight.error is not None:
+                tally.failed += 1
+            elif flight.data is not None:
+                tally.fetched += 1
+        return tally
 
     async def unpin(self, entry: Entry) -> None:
         """Undo `prefetch(entry, pin=True)`."""
@@ -219,6 +307,7 @@ class LayerReader:
         # Cached chunks: read only the needed part (a 128 KiB FUSE read of a 4 MiB chunk).
         found = await self._cache_get_many([(k, lo, hi - lo) for k, (lo, hi) in zip(keys, spans, strict=True)])
         missing = {keys[i]: chunks[i] for i in range(len(chunks)) if i not in found}
+        self.stats.cache_misses += len(missing)
         full = await self._obtain(missing) if missing else {}
         return [
             found[i] if i in found else full[keys[i]][lo:hi] for i, (lo, hi) in enumerate(spans)
@@ -280,7 +369,7 @@ class LayerReader:
                 job.flights[keys[i]].finish(data=data)
                 del job.chunks[keys[i]]
             async with trio.open_nursery() as nursery:
-                for run in self._runs(job.chunks):
+                for run in self._runs(job.chunks, job.max_gap, job.max_run_bytes):
                     nursery.start_soon(self._lead_run, job, run, background)
         finally:
             for key, flight in job.flights.items():
@@ -292,8 +381,10 @@ class LayerReader:
         if self._flights.get(key) is flight:
             del self._flights[key]
 
-    def _runs(self, chunks: dict[str, Chunk]) -> list[list[tuple[str, Chunk]]]:
-        """Group chunks into runs fetched by one range request each."""
+    def _runs(self, chunks: dict[str, Chunk], max_gap: int = 0, max_bytes: int = 0) -> list[list[tuple[str, Chunk]]]:
+        """Group chunks into runs fetched by one range request each: same blob, at most `max_gap`
+        bytes between ranges, at most `max_bytes` (0: max_merge_bytes) in all."""
+        limit = max_bytes or self.config.max_merge_bytes
         items = sorted(chunks.items(), key=lambda kc: (kc[1].blob_index, kc[1].blob_offset))
         runs: list[list[tuple[str, Chunk]]] = []
         start = end = 0
@@ -302,8 +393,8 @@ class LayerReader:
             if (
                 runs
                 and runs[-1][-1][1].blob_index == c.blob_index
-                and c.blob_offset <= end
-                and max(end, c_end) - start <= self.config.max_merge_bytes
+                and c.blob_offset <= end + max_gap
+                and max(end, c_end) - start <= limit
             ):
                 runs[-1].append((key, c))
                 end = max(end, c_end)
@@ -331,6 +422,7 @@ class LayerReader:
                 if background:
                     if not self._budget.acquire_nowait(cost):
                         self.stats.readahead_skipped += len(run)
+                        job.skipped += len(run)
                         return  # flights are abandoned by _lead; a foreground reader retries
                     held = min(cost, self._budget.capacity)
                 else:
@@ -353,6 +445,8 @@ class LayerReader:
         self, job: _Job, run: list[tuple[str, Chunk]], blob: int, start: int, end: int, background: bool
     ) -> None:
         data = await self._fetch(blob, start, end - start)
+        job.requests += 1
+        job.fetched_bytes += end - start
         self.stats.chunks_fetched += len(run)
         if background:
             self.stats.readahead_chunks += len(run)
@@ -411,6 +505,8 @@ class LayerReader:
                 f"blob {self._blob_name(blob)} range {offset}+{length}: source answered {len(data)} bytes"
             )
         self.stats.fetched_bytes += length
+        cause = _CAUSE.get()
+        self.stats.fetched_bytes_by_cause[cause] = self.stats.fetched_bytes_by_cause.get(cause, 0) + length
         return data
 
     @classmethod
@@ -532,6 +628,7 @@ class LayerReader:
         self._nursery.start_soon(self._readahead, tuple(ahead))
 
     async def _readahead(self, chunks: Sequence[Chunk]) -> None:
+        _CAUSE.set("background")
         try:
             await self._ensure_cached(chunks, background=True)
         except Exception as exc:  # a failed read-ahead only costs a later foreground fetch
@@ -539,26 +636,28 @@ class LayerReader:
         finally:
             self._readahead_tasks -= 1
 
-    async def _ensure_cached(self, chunks: Sequence[Chunk], *, background: bool) -> None:
+    async def _ensure_cached(self, chunks: Sequence[Chunk], *, background: bool, max_gap: int = 0,
+                             max_run_bytes: int = 0) -> _Job:
         """Fetch into the cache the chunks that are neither cached nor being fetched."""
+        job = _Job(max_gap=max_gap, max_run_bytes=max_run_bytes)
         cache = self.cache
         if cache is None or not chunks:
-            return
+            return job
         by_key = {self.key_for(c): c for c in chunks}
         present = await trio.to_thread.run_sync(cache.present, list(by_key), limiter=self._cache_limiter)
-        job = _Job()
         for key, chunk in by_key.items():
             if key in present or key in self._flights:
                 continue
             job.chunks[key] = chunk
             job.flights[key] = self._flights[key] = _Flight()
         if not job.chunks:
-            return
+            return job
         await self._lead(job, background)
         if not background:
             for flight in job.flights.values():
                 if flight.error is not None:
                     raise flight.error
+        return job
 
 
 @asynccontextmanager

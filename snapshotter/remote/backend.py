@@ -15,6 +15,7 @@ and the overlay lowerdir interleaves those subtrees with the local layers' dirs 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -32,7 +33,9 @@ from snapshotter.errors import (
     InvalidArgument,
     LimitExceeded,
 )
+from snapshotter.fetch.auth import AuthError
 from snapshotter.fetch.client import RegistryClient
+from snapshotter.fetch.reference import parse_reference
 from snapshotter.remote.labels import (
     REMOTE_LABEL,
     TARGET_SNAPSHOT_REF,
@@ -62,7 +65,7 @@ class RemoteLayer:
 class Mounter(Protocol):
     """Starts, finds and stops per-image mount processes (remote/mounts.py)."""
 
-    def ensure(self, mount_id: str, runs: list[list[RemoteLayer]]) -> str: ...
+    def ensure(self, mount_id: str, runs: list[list[RemoteLayer]], *, bare_runs: tuple[int, ...] = ()) -> str: ...
     def release(self, mount_id: str) -> None: ...
     def mounted_ids(self) -> set[str]: ...
 
@@ -80,10 +83,19 @@ def fallback_reason(exc: BaseException) -> str:
     if isinstance(exc, FormatError):
         return "bad_format"
     if isinstance(exc, FetchError):
-        return "auth" if "401" in str(exc) or "403" in str(exc) else "registry"
+        # The HTTP status, not the message text: ports and digests in the message contain "401" too.
+        auth = isinstance(exc, AuthError) or getattr(exc, "status", None) in (401, 403)
+        return "auth" if auth else "registry"
     if isinstance(exc, InvalidArgument):
         return "bad_labels"
     return "error"
+
+
+def _registry_of(image_ref: str) -> str:
+    try:
+        return parse_reference(image_ref).registry
+    except Exception:
+        return ""
 
 
 class RemoteBackend:
@@ -94,6 +106,9 @@ class RemoteBackend:
         self.config = config
         self.mounter = mounter
         self.layers = LayerStore(snapshotter.root / "layers")
+        # Deciding a mount is unused and stopping it must not interleave with handing it out:
+        # gRPC calls run on many threads (containerd's GC removes snapshots while others prepare).
+        self._mount_lock = threading.RLock()
         snapshotter.set_lowers(self.lowers)
 
     # -- remote prepare -----------------------------------------------------------------------
@@ -107,8 +122,11 @@ class RemoteBackend:
         async def run() -> tuple[str, int]:
             with trio.fail_after(self.config.resolve_timeout):
                 async with RegistryClient(fetch_config_from(self.config)) as client:
-                    resolved = await resolve_layer(client, ref, max_toc_bytes=self.config.limits.max_toc_bytes,
-                                                   max_bootstrap_bytes=self.config.limits.max_bootstrap_bytes)
+                    try:
+                        resolved = await resolve_layer(client, ref, max_toc_bytes=self.config.limits.max_toc_bytes,
+                                                       max_bootstrap_bytes=self.config.limits.max_bootstrap_bytes)
+                    finally:
+                        metrics.RESOLVE_BYTES.labels(_registry_of(ref.image_ref)).inc(client.stats.bytes_received)
             self.layers.save(LayerMeta(ref.layer_digest, resolved.format, resolved.blob_size, ref.image_ref,
                                        resolved.index.toc_digest), resolved.index)
             return resolved.format, resolved.blob_size
@@ -134,6 +152,7 @@ class RemoteBackend:
                         image, layer, reason, seconds, str(exc))
             metrics.FALLBACKS.labels(reason).inc()
             metrics.LAYER_PREPARES.labels("fallback", "").inc()
+            self._record_fallback(layer, image, reason, str(exc))
             return False
         seconds = time.monotonic() - start
         metrics.RESOLVE_SECONDS.observe(seconds)
@@ -143,10 +162,21 @@ class RemoteBackend:
             self.sn.create_remote(target, parent, remote_labels)
         except AlreadyExists:
             pass  # a concurrent pull of the same image got there first: containerd will find it
+        self.layers.clear_fallback(ref.layer_digest)
         log.info("event=lazy_prepare image=%s layer=%s format=%s seconds=%.3f target=%s",
                  ref.image_ref, ref.layer_digest, fmt, seconds, target)
         metrics.LAYER_PREPARES.labels("lazy", fmt).inc()
         return True
+
+    def _record_fallback(self, layer: str, image: str, reason: str, error: str) -> None:
+        """Persist the fallback for `snapshotter status` (best effort: the pull goes on regardless)."""
+        if not layer:
+            return
+        try:
+            self.layers.record_fallback(layer, {"layer": layer, "image": image, "reason": reason,
+                                                "error": error, "time": time.time()})
+        except (ValueError, OSError) as exc:
+            log.warning("event=fallback_record_failed layer=%s error=%s", layer, exc)
 
     def prepare(self, key: str, parent: str, labels: dict[str, str]) -> list[Mount]:
         target = labels.get(TARGET_SNAPSHOT_REF)
@@ -178,7 +208,11 @@ class RemoteBackend:
             else:
                 placement.append(("dir", self.sn.fs_dir(sid)))
             previous_remote = is_remote
-        mountpoint = self.mounter.ensure(snap.parent_ids[0], runs)
+        # A run at the very bottom deletes nothing below it: it is served without overlay markers,
+        # so it is also right when containerd bind-mounts it alone (a read-only view).
+        bare = (0,) if placement[0][0] == "run" else ()
+        with self._mount_lock:
+            mountpoint = self.mounter.ensure(snap.parent_ids[0], runs, bare_runs=bare)
         bottom_up_dirs = [f"{mountpoint}/{where}" if kind == "run" else str(where) for kind, where in placement]
         return list(reversed(bottom_up_dirs))
 
@@ -194,13 +228,14 @@ class RemoteBackend:
                            str(self.layers.index_path(ref.layer_digest)), meta.blob_size)
 
     def _release_unused(self) -> None:
-        for mount_id in self.mounter.mounted_ids():
-            try:
-                users = self.sn.users_of(mount_id)
-            except Exception:  # the image's snapshot is gone: nobody can use the mount
-                users = []
-            if not users:
-                self.mounter.release(mount_id)
+        with self._mount_lock:
+            for mount_id in self.mounter.mounted_ids():
+                try:
+                    users = self.sn.users_of(mount_id)
+                except Exception:  # the image's snapshot is gone: nobody can use the mount
+                    users = []
+                if not users:
+                    self.mounter.release(mount_id)
 
     # -- the rest is the ordinary snapshotter ----------------------------------------------------
 

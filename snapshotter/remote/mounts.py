@@ -4,6 +4,9 @@
     ROOT/mounts/<mount id>/mnt          its FUSE mountpoint; run N of the image is mnt/N
     ROOT/mounts/<mount id>/pid          the mount process's pid, once it is ready
     ROOT/mounts/<mount id>/log          its stderr
+    ROOT/mounts/<mount id>/ready        written by it once mounted and prefetched (or prefetch_timeout)
+    ROOT/mounts/<mount id>/record.json  its first-read record, written on SIGUSR1 (`snapshotter record`)
+    ROOT/mounts/<mount id>/stats.json   its counters, rewritten every second (fusefs/stats.py)
 
 A mount process runs in its own session (not in the daemon's process group), so a daemon
 restart or SIGKILL leaves it serving; the next daemon adopts it when its pid is alive, is a
@@ -34,7 +37,11 @@ from snapshotter.remote.backend import RemoteLayer
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT = 30.0
+READY_FILE = "ready"  # written by the mount process once mounted and prefetched (fusefs/prefetch.py)
+RECORD_FILE = "record.json"  # its first-read record, on SIGUSR1 and at exit (`snapshotter record`)
+STATS_FILE = "stats.json"
 STOP_TIMEOUT = 5.0
+WATCH_INTERVAL = 1.0  # seconds between checks of the mount processes' pids (`watch`)
 
 
 class MountError(SnapshotterError):
@@ -77,6 +84,14 @@ def lazy_unmount(path: Path) -> None:
         subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10, check=False)
 
 
+def _prefetch_outcome(ready_file: Path) -> str:
+    """"done" or "timeout" as the mount process's ready file says; "not_ready" without one."""
+    try:
+        return str(json.loads(ready_file.read_text()).get("prefetch", "unknown"))
+    except (OSError, ValueError, AttributeError):
+        return "not_ready"
+
+
 class MountManager:
     """Implements remote.backend.Mounter. Thread-safe."""
 
@@ -86,6 +101,7 @@ class MountManager:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._children: dict[str, subprocess.Popen[bytes]] = {}
+        self._reported_dead: set[tuple[str, int]] = set()
 
     def _paths(self, mount_id: str) -> tuple[Path, Path, Path, Path]:
         if not mount_id.isdigit():
@@ -111,17 +127,27 @@ class MountManager:
     def pids(self) -> dict[str, int | None]:
         return {m: self._pid(m) for m in sorted(self.mounted_ids())}
 
-    def ensure(self, mount_id: str, runs: list[list[RemoteLayer]]) -> str:
+    def ensure(self, mount_id: str, runs: list[list[RemoteLayer]], *, bare_runs: tuple[int, ...] = ()) -> str:
         """The mountpoint of image `mount_id`, starting its mount process if it is not serving."""
         mnt, state, pidf, logf = self._paths(mount_id)
         with self._lock:
             if self.alive(mount_id):
                 return str(mnt)
+            dead_pid = self._pid(mount_id)
+            if dead_pid is not None and (mount_id, dead_pid) not in self._reported_dead:
+                # It was serving (its pid file is written once ready): it died or its mount broke.
+                log.warning("event=mount_died mount=%s pid=%d process_alive=%s; starting it again",
+                            mount_id, dead_pid, _pid_is_mount_process(dead_pid, state))
             self._stop_locked(mount_id, remove=False)
             mnt.mkdir(parents=True, exist_ok=True)
             doc = {
                 "mountpoint": str(mnt),
+                "stats_file": str(self.dir / mount_id / STATS_FILE),
+                "ready_file": str(self.dir / mount_id / READY_FILE),
+                "record_file": str(self.dir / mount_id / RECORD_FILE),
+                "prefetch_timeout": self.config.prefetch_timeout,
                 "fetch_timeout": self.config.fetch_timeout,
+                "bare_runs": list(bare_runs),
                 "config": dataclasses.asdict(self.config),
                 "runs": [[{"index": layer.index_path, "layer_digest": layer.layer_digest,
                            "reader": {"kind": "registry", "image_ref": layer.image_ref,
@@ -134,20 +160,30 @@ class MountManager:
             os.replace(tmp, state)
             pidf.unlink(missing_ok=True)
             with open(logf, "ab") as log_out:
-                proc = subprocess.Popen([sys.executable, "-m", "snapshotter.fusefs", str(state)],
+                proc = subprocess.Popen([sys.executable, "-m", "snapshotter.fusefs", str(state),
+                                         "--log-level", self.config.log_level,
+                                         "--log-format", self.config.log_format],
                                         stdin=subprocess.DEVNULL, stdout=log_out, stderr=log_out,
                                         start_new_session=True, close_fds=True)
             self._children[mount_id] = proc
+            readyf = self.dir / mount_id / READY_FILE
             deadline = time.monotonic() + READY_TIMEOUT
+            prefetch_deadline: float | None = None
             while time.monotonic() < deadline:
                 if proc.poll() is not None:
                     raise MountError(f"mount process for image mount {mount_id} exited with {proc.returncode}; "
                                      f"see {logf}")
-                if is_mountpoint(mnt) and _answers(mnt):
+                if prefetch_deadline is None and is_mountpoint(mnt) and _answers(mnt):
+                    # Mounted; container start now waits for the landmark prefetch, at most
+                    # prefetch_timeout (the process writes its ready file by then; the grace
+                    # covers a slow process, the mount serves reads either way).
+                    prefetch_deadline = time.monotonic() + self.config.prefetch_timeout + 2.0
+                    deadline = max(deadline, prefetch_deadline + 1.0)
+                if prefetch_deadline is not None and (readyf.exists() or time.monotonic() > prefetch_deadline):
                     pidf.write_text(str(proc.pid))
                     metrics.MOUNTS_ALIVE.set(len(self.mounted_ids()))
-                    log.info("event=mount_started mount=%s pid=%d runs=%d layers=%d", mount_id, proc.pid,
-                             len(runs), sum(len(r) for r in runs))
+                    log.info("event=mount_started mount=%s pid=%d runs=%d layers=%d prefetch=%s", mount_id,
+                             proc.pid, len(runs), sum(len(r) for r in runs), _prefetch_outcome(readyf))
                     return str(mnt)
                 time.sleep(0.02)
             proc.kill()
@@ -156,6 +192,7 @@ class MountManager:
 
     def release(self, mount_id: str) -> None:
         """Stop image `mount_id`'s mount process and remove its directory."""
+        log.info("event=mount_release mount=%s reason=unused", mount_id)
         with self._lock:
             self._stop_locked(mount_id, remove=True)
         metrics.MOUNTS_ALIVE.set(len(self.mounted_ids()))
@@ -187,6 +224,24 @@ class MountManager:
             shutil.rmtree(self.dir / mount_id, ignore_errors=True)
         if pid is not None or child is not None:
             log.info("event=mount_stopped mount=%s pid=%s", mount_id, pid)
+
+    def watch(self, stop: threading.Event, interval: float = WATCH_INTERVAL) -> None:
+        """Until `stop` is set: report each mount process that died (WARN `event=mount_died`, once
+        per process). Only pids are checked, never a mountpoint (a hung process would block the
+        stat); the image's next Prepare/Mounts replaces the process (`ensure`)."""
+        while not stop.wait(interval):
+            try:
+                for mount_id in sorted(self.mounted_ids()):
+                    with self._lock:  # not while ensure/release start or stop it
+                        pid = self._pid(mount_id)
+                        if pid is None or (mount_id, pid) in self._reported_dead:
+                            continue
+                        if not _pid_is_mount_process(pid, self._paths(mount_id)[1]):
+                            self._reported_dead.add((mount_id, pid))
+                            log.warning("event=mount_died mount=%s pid=%d detected_by=watch; the image's "
+                                        "next container start replaces it", mount_id, pid)
+            except Exception:  # the watcher must outlive a surprise (a dir removed meanwhile...)
+                log.exception("event=mount_watch_failed")
 
     def adopt(self) -> tuple[list[str], list[str]]:
         """At daemon start: keep live mount processes, clear stale mounts of dead ones.

@@ -3,6 +3,7 @@ registry round trip to know a layer's tree.
 
     ROOT/layers/<sha256 hex of the layer digest>/index.json   the LayerIndex (index_codec)
     ROOT/layers/<...>/meta.json                               format, blob size, where it came from
+    ROOT/layers/<...>/fallback.json                           why the last lazy attempt fell back
 
 Both files are written to a temp name and renamed, meta.json last: a layer directory without
 meta.json is incomplete and is ignored (and rewritten by the next resolve).
@@ -72,3 +73,25 @@ class LayerStore:
 
     def load(self, layer_digest: str) -> LayerIndex:
         return load_index(self.index_path(layer_digest).read_bytes())
+
+    # -- fallbacks (for `snapshotter status`) --------------------------------------------------
+
+    def record_fallback(self, layer_digest: str, doc: dict[str, object]) -> None:
+        """Remember why `layer_digest` fell back (reason, image, time, ...); ValueError for a bad digest."""
+        d = self.layer_dir(layer_digest)
+        d.mkdir(parents=True, exist_ok=True)
+        _write_atomic(d / "fallback.json", json.dumps(doc, sort_keys=True).encode())
+
+    def fallback(self, layer_digest: str) -> dict[str, object] | None:
+        """The recorded fallback of `layer_digest`, or None."""
+        try:
+            doc = json.loads((self.layer_dir(layer_digest) / "fallback.json").read_bytes())
+        except (FileNotFoundError, ValueError):
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    def clear_fallback(self, layer_digest: str) -> None:
+        try:
+            (self.layer_dir(layer_digest) / "fallback.json").unlink(missing_ok=True)
+        except ValueError:
+            pass

@@ -243,7 +243,14 @@ class MetaStore:
             except BaseException:
                 self._conn.execute("ROLLBACK")
                 raise
-            self._conn.execute("COMMIT")
+            try:
+                self._conn.execute("COMMIT")
+            except BaseException:
+                # A failed COMMIT (disk full, I/O error) may leave the transaction open; the
+                # next BEGIN would then fail forever.
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
+                raise
 
     def close(self) -> None:
         with self._lock:

@@ -164,15 +164,18 @@ class Snapshotter:
 
     def remove(self, key: str) -> None:
         with self._dirs_lock:
+            # The row goes first (committed), the directory after: a crash or a failed COMMIT
+            # (disk full) in between leaves at worst a directory without a row, which Cleanup
+            # removes; never a row whose directory Cleanup already took.
             with self.store.transaction() as tx:
                 snapshot_id, _kind = tx.remove(key)
-                src = self.snapshots_dir / snapshot_id
-                doomed = self.snapshots_dir / f"rm-{snapshot_id}"
-                try:
-                    os.rename(src, doomed)
-                except FileNotFoundError:
-                    log.warning("event=remove_missing_dir key=%s id=%s", key, snapshot_id)
-                    return
+            src = self.snapshots_dir / snapshot_id
+            doomed = self.snapshots_dir / f"rm-{snapshot_id}"
+            try:
+                os.rename(src, doomed)
+            except FileNotFoundError:
+                log.warning("event=remove_missing_dir key=%s id=%s", key, snapshot_id)
+                return
             self._delete_dir(doomed)
 
     def stat(self, key: str) -> Info:

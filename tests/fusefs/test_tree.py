@@ -206,3 +206,20 @@ def test_entry_replacing_a_dir_within_one_layer() -> None:
     assert a.is_dir and a.mode == 0o755 and a.entry is None and names(t, "a") == ["y"]
     ts = build_tree([[l0.index()]])
     assert node(ts, "0/a").opaque  # replaced a non-dir: lower runs' "a" must stay hidden
+
+
+def test_bare_bottom_run_has_no_overlay_markers() -> None:
+    """A run with nothing below it (run 0 of an all-remote image) must look right on its own,
+    e.g. bind-mounted as a read-only view: whiteouts applied, no char 0:0 nodes, no opaque xattrs."""
+    run0 = [
+        Layer().file("gone", b"g").dir("o").file("o/old", b"").index(),
+        Layer().whiteout("gone").whiteout("never").opaque("o").file("o/new", b"").index(),
+    ]
+    run1 = [Layer().whiteout("o").index()]
+    t = build_tree([run0, run1], bare_runs=(0,))
+    assert names(t, "0") == ["o"]
+    assert names(t, "0/o") == ["new"]
+    assert not node(t, "0/o").opaque and "trusted.overlay.opaque" not in node(t, "0/o").xattrs
+    assert not any(n.whiteout for n in t.nodes.values() if n.path.startswith("0/"))
+    # Run 1 still has something below it, so it keeps its markers.
+    assert node(t, "1/o").whiteout

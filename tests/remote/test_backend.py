@@ -45,9 +45,11 @@ class FakeMounter:
         self.tmp = tmp
         self.ensured: dict[str, list[list[RemoteLayer]]] = {}
         self.released: list[str] = []
+        self.bare: dict[str, tuple[int, ...]] = {}
 
-    def ensure(self, mount_id: str, runs: list[list[RemoteLayer]]) -> str:
+    def ensure(self, mount_id: str, runs: list[list[RemoteLayer]], *, bare_runs: tuple[int, ...] = ()) -> str:
         self.ensured[mount_id] = runs
+        self.bare[mount_id] = bare_runs
         return str(self.tmp / "mnt" / mount_id)
 
     def release(self, mount_id: str) -> None:
@@ -185,5 +187,6 @@ def test_lowers_interleave_remote_runs_with_local_layers(registry: RegistryProce
     assert lower == [f"{mnt}/1", be.sn.fs_dir(be.sn.snapshot("c2").id), f"{mnt}/0"]
     runs = mounter.ensured[top]
     assert [[layer.layer_digest for layer in run] for run in runs] == [[d[0], d[1]], [d[2]]]
+    assert mounter.bare[top] == (0,), "the bottom run has nothing below it"
     be.remove("ctr")
     assert mounter.released == [unpack_mount, top]

@@ -1,0 +1,765 @@
+"""Cold-start benchmark: containerd's overlayfs full pull vs our lazy snapshotter, per image format
+and network condition.
+
+    sudo .venv/bin/python -m integration.bench.run [--n 5] [--images small|big|all|tiny]
+        [--formats estargz-ours,estargz-ctr,nydus] [--net unshaped,200mbit,latency20,latency50]
+        [--workloads true,python,sha256] [--out DIR] [--cache DIR] [--results-md PATH]
+
+What one run of a cell does (cell = image x workload x network x variant), always cold:
+  all images, containers, snapshots and content removed from containerd (`images rm --sync`,
+  checked empty), our daemon restarted on a wiped root (no chunk cache, no layer indexes, no
+  mount processes), page cache dropped; then
+  pull:  `ctr images pull --snapshotter overlayfs` (variant `overlayfs`: the gzip image, containerd's
+         default full pull + unpack) or `ctr-remote image rpull --snapshotter lazy` (lazy variants);
+  run:   `ctr run --rm` of the workload (create + start + wait + delete);
+  measured: wall seconds of both, bytes the registry sent (its "response completed" log lines,
+  body bytes of GETs), peak RSS (VmHWM) of our daemon and of the image's mount process(es), and
+  the peak VmRSS of containerd, sampled every 50 ms.
+Cells run in alternating order (reversed every other repetition) so drift hits all variants alike.
+
+Variants (`--formats`; `overlayfs` on the gzip image is always the baseline):
+  estargz-ours      `snapshotter convert --format estargz`
+  estargz-ctr       ctr-remote's `image convert --estargz --oci`
+  estargz-landmark  ours with a recorded prefetch list (needs `snapshotter record`; skipped with a
+                    note when that command does not exist)
+  zstdchunked-ours  `snapshotter convert --format zstdchunked`
+  nydus             `snapshotter convert --format nydus`
+Networks (`--net`):
+  unshaped          loopback as is
+  NNNmbit           registry responses capped to NNN Mbit/s: an htb class on `lo` with a u32 filter
+                    on the registry's port (`--shaper port`, default: other loopback users on this
+                    shared machine are not slowed), or `tc qdisc add dev lo root tbf rate NNNmbit
+                    burst 256kb latency 50ms` (`--shaper tbf`, everything on lo). Always deleted.
+  latencyNN         NN ms per round trip through a delaying TCP proxy (integration.bench.netproxy)
+                    in front of the registry; images are pulled by the proxy's address.
+Outputs in --out: runs.csv (every run), results.csv (per cell: median, min, max), report.md (the
+Markdown table with date, `uname -a`, CPU) and results.png if matplotlib is importable.
+
+Cleanup: the lab (registry, daemon, containerd, mount processes, mounts) is torn down, the qdisc
+deleted and the proxy stopped on every exit path, including Ctrl-C and SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import datetime
+import os
+import re
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from types import FrameType
+
+from integration.bench.images import DEFAULT_CACHE, BuildError, ImageCache
+from integration.lab import Lab, LabError, mounts_under, pids_mentioning, stop_pids, wait_until
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BASELINE = "overlayfs"
+LAZY_FORMATS = ("estargz-ours", "estargz-ctr", "estargz-landmark", "zstdchunked-ours", "nydus")
+PYTHON_SNIPPET = (
+    "import json, sqlite3, email, email.mime.text, http.client, urllib.request, xml.etree.ElementTree, "
+    "decimal, asyncio, logging, argparse; c = sqlite3.connect(':memory:'); "
+    "print(c.execute('select 40 + 2').fetchone()[0])"
+)
+# image -> workload -> (argv, expected stdout check: None = exit status only, "sha256:<path>" = sum)
+WORKLOADS: dict[str, dict[str, tuple[tuple[str, ...], str | None]]] = {
+    "tiny": {"true": (("true",), None), "sha256": (("sha256sum", "/big/blob.bin"), "sha256:/big/blob.bin")},
+    "small": {"true": (("true",), None), "python": (("python3", "-c", PYTHON_SNIPPET), "42")},
+    "big": {
+        "true": (("true",), None),
+        "python": (("python3", "-c", PYTHON_SNIPPET), "42"),
+        "sha256": (("sha256sum", "/bench/big.bin"), "sha256:/bench/big.bin"),
+    },
+}
+SAMPLE_INTERVAL = 0.05
+STEP_TIMEOUT = 1800.0
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+# ---- network conditions ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Net:
+    name: str
+    rate_mbit: int | None = None
+    rtt_ms: float = 0.0
+
+
+def parse_net(name: str) -> Net:
+    if name == "unshaped":
+        return Net(name)
+    if m := re.fullmatch(r"(\d+)mbit", name):
+        return Net(name, rate_mbit=int(m.group(1)))
+    if m := re.fullmatch(r"latency(\d+(?:\.\d+)?)", name):
+        return Net(name, rtt_ms=float(m.group(1)))
+    raise argparse.ArgumentTypeError(f"unknown network condition {name!r} (unshaped, NNNmbit, latencyNN)")
+
+
+@contextlib.contextmanager
+def shaped(rate_mbit: int, port: int, mode: str) -> Iterator[None]:
+    """Cap the registry's bandwidth on lo for the duration; the root qdisc we add is always deleted."""
+    existing = _run(["tc", "qdisc", "show", "dev", "lo"]).stdout
+    if "noqueue" not in existing and existing.strip():
+        raise BenchError(f"lo already has a qdisc (someone else is shaping?): {existing.strip()}")
+    if mode == "tbf":
+        cmds = [["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", f"{rate_mbit}mbit", "burst", "256kb",
+                 "latency", "50ms"]]
+    else:
+        cmds = [
+            ["tc", "qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb", "default", "0"],
+            ["tc", "class", "add", "dev", "lo", "parent", "1:", "classid", "1:10", "htb", "rate", f"{rate_mbit}mbit",
+             "ceil", f"{rate_mbit}mbit", "burst", "256kb", "cburst", "256kb", "quantum", "60000"],
+            ["tc", "filter", "add", "dev", "lo", "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match", "ip",
+             "sport", str(port), "0xffff", "flowid", "1:10"],
+        ]
+    added = False
+    try:
+        for i, cmd in enumerate(cmds):
+            r = _run(cmd)
+            if r.returncode != 0:
+                raise BenchError(f"{shlex.join(cmd)}: {r.stderr.strip()}")
+            added = added or i == 0
+        yield
+    finally:
+        if added:
+            r = _run(["tc", "qdisc", "del", "dev", "lo", "root"])
+            if r.returncode != 0:
+                print(f"WARNING: could not delete the qdisc on lo: {r.stderr.strip()}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def delay_proxy(upstream: str, rtt_ms: float, work: Path) -> Iterator[str]:
+    """Start integration.bench.netproxy in front of `upstream`; yields its HOST:PORT; stops it by PID."""
+    port_file = work / f"proxy-{rtt_ms:g}.port"
+    port_file.unlink(missing_ok=True)
+    log = open(work / f"proxy-{rtt_ms:g}.log", "ab")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "integration.bench.netproxy", "--upstream", upstream, "--rtt-ms", str(rtt_ms),
+         "--port-file", str(port_file), "--stats-file", str(work / f"proxy-{rtt_ms:g}.stats")],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO_ROOT,
+        env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), start_new_session=True,
+    )
+    try:
+        wait_until("the delaying proxy", lambda: port_file.exists() or proc.poll() is not None, 30)
+        if proc.poll() is not None:
+            raise BenchError(f"the delaying proxy exited with {proc.returncode}; see {log.name}")
+        yield f"127.0.0.1:{port_file.read_text().strip()}"
+    finally:
+        stop_pids([proc.pid], grace=5)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+        log.close()
+
+
+# ---- measurements -------------------------------------------------------------------------------------
+
+
+def _status_kib(pid: int, key: str) -> int:
+    try:
+        with open(f"/proc/{pid}/status", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+class Sampler(threading.Thread):
+    """Peak memory, sampled: VmHWM of the daemon and of every mount process under ROOT/mounts,
+    VmRSS of containerd (it lives across cells, so its own VmHWM would not be per cell)."""
+
+    def __init__(self, daemon_pid: int, containerd_pid: int, mounts_dir: Path) -> None:
+        super().__init__(daemon=True)
+        self.daemon_pid = daemon_pid
+        self.containerd_pid = containerd_pid
+        self.mounts_dir = mounts_dir
+        self.daemon_kib = 0
+        self.mount_kib = 0
+        self.containerd_kib = 0
+        self._stop_event = threading.Event()
+
+    def sample(self) -> None:
+        self.daemon_kib = max(self.daemon_kib, _status_kib(self.daemon_pid, "VmHWM"))
+        self.containerd_kib = max(self.containerd_kib, _status_kib(self.containerd_pid, "VmRSS"))
+        for pid_file in self.mounts_dir.glob("*/pid"):
+            with contextlib.suppress(OSError, ValueError):
+                self.mount_kib = max(self.mount_kib, _status_kib(int(pid_file.read_text().strip()), "VmHWM"))
+
+    def run(self) -> None:
+        while not self._stop_event.wait(SAMPLE_INTERVAL):
+            self.sample()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=5)
+        self.sample()
+
+
+_KV = re.compile(r'(\S+?)=("(?:[^"\\]|\\.)*"|\S+)')
+
+
+def registry_bytes(log: Path, offset: int) -> tuple[int, int]:
+    """(body bytes, requests) of the GETs the registry logged after byte `offset` of its log."""
+    total = requests = 0
+    with open(log, "rb") as f:
+        f.seek(offset)
+        for raw in f:
+            line = raw.decode(errors="replace")
+            if 'msg="response completed' not in line:
+                continue
+            kv = {k: v.strip('"') for k, v in _KV.findall(line)}
+            if kv.get("http.request.method") == "GET" and kv.get("http.request.uri", "").startswith("/v2/"):
+                total += int(kv.get("http.response.written", 0))
+                requests += 1
+    return total, requests
+
+
+# ---- one run ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    image: str
+    workload: str
+    net: str
+    variant: str
+    rep: int
+    pull_s: float
+    run_s: float
+    total_s: float
+    fetched_bytes: int
+    requests: int
+    daemon_peak_kib: int
+    mount_peak_kib: int
+    containerd_peak_kib: int
+    load1: float = 0.0  # 1-minute load average when the run started
+
+
+def _run(argv: Sequence[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def drop_page_cache() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def cold_reset(lab: Lab) -> None:
+    """Nothing of any image left in containerd or our daemon; page cache dropped."""
+    for cid in lab.ctr("containers", "ls", "-q").stdout.split():
+        lab.ctr("tasks", "kill", "-s", "SIGKILL", cid, check=False)
+        lab.ctr("tasks", "delete", "-f", cid, check=False, timeout=30)
+        lab.ctr("containers", "delete", cid, check=False)
+    refs = lab.ctr("images", "ls", "-q").stdout.split()
+    if refs:
+        lab.ctr("images", "rm", "--sync", *refs, timeout=300)
+
+    def leftovers() -> list[str]:
+        found = []
+        for sn in ("overlayfs", "lazy"):
+            lines = lab.ctr("snapshots", "--snapshotter", sn, "ls", check=False).stdout.splitlines()[1:]
+            found += [f"{sn}:{line.split()[0]}" for line in lines if line.strip()]
+        found += [f"content:{d}" for d in lab.ctr("content", "ls", "-q").stdout.split()]
+        return found
+
+    try:
+        wait_until("containerd's garbage collection", lambda: not leftovers(), 30, interval=0.2)
+    except LabError:
+        raise BenchError(f"not cold: left after removing all images: {leftovers()[:10]}") from None
+    fresh_daemon(lab)
+    drop_page_cache()
+
+
+def fresh_daemon(lab: Lab) -> None:
+    """Stop our daemon and its mount processes, wipe its root (cache, indexes, metadata; containerd
+    holds no lazy snapshot at this point), start it again."""
+    for proc in [p for p in lab.procs if p.name == "snapshotter"]:
+        stop_pids([proc.pid])
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.popen.wait(timeout=5)
+        lab.procs.remove(proc)
+    root = lab.snapshotter_root
+    stop_pids(pids_mentioning(str(root) + "/", exclude={os.getpid()}), grace=5)
+    for mp in mounts_under(root):
+        subprocess.run(["umount", "-l", mp], capture_output=True, timeout=30)
+    if mounts_under(root):
+        raise BenchError(f"mounts left under {root}: {mounts_under(root)}")
+    shutil.rmtree(root, ignore_errors=True)
+    lab._start_daemon()
+    # containerd keeps one gRPC connection to the plugin; the first call after a restart can fail
+    # with "connection closed" while it reconnects. Reconnect now, outside the timed part, with a
+    # call that reaches the plugin (`snapshots ls` is answered from containerd's own metadata).
+    def reconnected() -> bool:
+        key = f"bench-warmup-{uuid.uuid4().hex[:8]}"
+        if lab.ctr("snapshots", "--snapshotter", "lazy", "prepare", key, check=False, timeout=10).returncode != 0:
+            return False
+        lab.ctr("snapshots", "--snapshotter", "lazy", "rm", key, timeout=10)
+        return True
+
+    wait_until("containerd to reconnect to the restarted daemon", reconnected, 30, interval=0.1)
+
+
+def _pid_of(lab: Lab, name: str) -> int:
+    return next(p.pid for p in lab.procs if p.name == name and p.popen.poll() is None)
+
+
+def one_run(lab: Lab, *, image: str, workload: str, net: str, variant: str, rep: int, ref: str,
+            argv: Sequence[str], expect: str | None) -> RunResult:
+    cold_reset(lab)
+    load1 = os.getloadavg()[0]
+    reg_log = lab.logs_dir / "registry.log"
+    offset = reg_log.stat().st_size
+    sampler = Sampler(_pid_of(lab, "snapshotter"), _pid_of(lab, "containerd"), lab.snapshotter_root / "mounts")
+    sampler.start()
+    lazy = variant != BASELINE
+    try:
+        t0 = time.monotonic()
+        if lazy:
+            lab.ctr_remote("image", "rpull", "--plain-http", "--snapshotter", "lazy", ref, timeout=STEP_TIMEOUT)
+        else:
+            lab.ctr("images", "pull", "--plain-http", "--snapshotter", "overlayfs", ref, timeout=STEP_TIMEOUT)
+        t1 = time.monotonic()
+        out = lab.ctr_run(ref, f"bench-{uuid.uuid4().hex[:10]}", *argv, snapshotter="lazy" if lazy else "overlayfs",
+                          timeout=STEP_TIMEOUT).stdout
+        t2 = time.monotonic()
+    finally:
+        sampler.stop()
+    if expect is not None and expect.strip() not in out:
+        raise BenchError(f"{variant} {image} {workload}: unexpected output {out[:300]!r} (wanted {expect!r})")
+    time.sleep(0.2)  # the registry logs a response after sending it
+    fetched, requests = registry_bytes(reg_log, offset)
+    return RunResult(image, workload, net, variant, rep, round(t1 - t0, 3), round(t2 - t1, 3), round(t2 - t0, 3),
+                     fetched, requests, sampler.daemon_kib if lazy else 0, sampler.mount_kib if lazy else 0,
+                     sampler.containerd_kib, round(load1, 2))
+
+
+# ---- images into the lab ------------------------------------------------------------------------------
+
+
+def snapshotter_has_record() -> bool:
+    r = _run([str(REPO_ROOT / ".venv" / "bin" / "snapshotter"), "--help"])
+    return bool(re.search(r"\brecord\b", r.stdout))
+
+
+def prepare_images(lab: Lab, cache: ImageCache, image: str, variants: Sequence[str], notes: list[str],
+                   work: Path) -> dict[str, str]:
+    """Build/convert what is missing in the cache, push every variant to the lab registry.
+    Returns variant -> tag (variants that cannot be made are left out, with a note)."""
+    oci = cache.layout(image)
+    repo = f"bench-{image}"
+    tags: dict[str, str] = {BASELINE: "gzip"}
+    for v in variants:
+        if v in ("estargz-ours", "zstdchunked-ours", "nydus"):
+            tags[v] = cache.convert_ours(image, v)
+        elif v == "estargz-landmark":
+            if not snapshotter_has_record():
+                notes.append("estargz-landmark skipped: `snapshotter record` does not exist yet")
+                continue
+            prefetch = record_prefetch_list(lab, cache, image, work)
+            tags[v] = cache.convert_ours(image, "estargz-ours", prefetch_list=prefetch)
+            recorded = len(prefetch.read_text().splitlines())
+            notes.append(f"{image}/estargz-landmark: prefetch profile recorded with `snapshotter record` of the "
+                         f"{prefetch.stem.removeprefix('prefetch-')} workload ({recorded} "
+                         "files), so that workload runs exactly what was recorded; the others show the cost of "
+                         "prefetching files they do not need")
+        elif v == "estargz-ctr":
+            if not cache.has(image, "estargz-ctr"):
+                src = _push(lab, oci, "gzip", repo)
+                dst = f"{lab.registry_host}/{repo}:estargz-ctr"
+                cache.log(f"converting {image} with ctr-remote (image convert --estargz --oci)")
+                lab.push_converted(src, dst, "estargz", timeout=STEP_TIMEOUT)
+                cache.store_from_registry(image, "estargz-ctr", dst, lambda a: lab.run(a, timeout=STEP_TIMEOUT))
+                for ref in lab.ctr("images", "ls", "-q").stdout.split():
+                    lab.ctr("images", "rm", "--sync", ref, timeout=300)
+            tags[v] = "estargz-ctr"
+        else:
+            raise BenchError(f"unknown format {v!r}")
+    for tag in sorted(set(tags.values())):
+        _push(lab, oci, tag, repo)
+    return tags
+
+
+def record_prefetch_list(lab: Lab, cache: ImageCache, image: str, work: Path) -> Path:
+    """`snapshotter record` of the image's python workload (else its first), on the lazy eStargz
+    image, cold; the profile is cached next to the image."""
+    name, (argv, _) = next(((w, v) for w, v in WORKLOADS[image].items() if w == "python"),
+                           next(iter(WORKLOADS[image].items())))
+    out = cache.dir(image) / f"prefetch-{name}.txt"
+    if out.exists():
+        return out
+    cache.convert_ours(image, "estargz-ours")
+    ref = _push(lab, cache.layout(image), "estargz-ours", f"bench-{image}")
+    cold_reset(lab)
+    cache.log(f"recording a prefetch profile of {image}: {shlex.join(argv)}")
+    lab.run([str(REPO_ROOT / ".venv" / "bin" / "snapshotter"), "record", "--address", str(lab.containerd_socket),
+             "-n", lab.namespace, "--plain-http", "--timeout", "120", f"--run-arg=--runc-root={lab.dir / 'runc'}",
+             f"--run-arg=--fifo-dir={lab.dir / 'fifo'}", "-o", str(out.with_suffix(".part")), ref, "--", *argv],
+            timeout=STEP_TIMEOUT)
+    out.with_suffix(".part").rename(out)
+    return out
+
+
+def _push(lab: Lab, oci: Path, tag: str, repo: str) -> str:
+    ref = f"{lab.registry_host}/{repo}:{tag}"
+    lab.run(["skopeo", "copy", "--quiet", "--preserve-digests", "--dest-tls-verify=false", f"oci:{oci}:{tag}",
+             f"docker://{ref}"], timeout=STEP_TIMEOUT)
+    return ref
+
+
+# ---- the whole benchmark ----------------------------------------------------------------------------
+
+
+@dataclass
+class Config:
+    n: int = 5
+    images: tuple[str, ...] = ("big",)
+    formats: tuple[str, ...] = ("estargz-ours",)
+    nets: tuple[Net, ...] = (Net("unshaped"),)
+    workloads: tuple[str, ...] | None = None  # None: all of each image's workloads
+    out: Path = Path("bench-out")
+    cache: Path = DEFAULT_CACHE
+    shaper: str = "port"
+    results_md: Path | None = None
+    command: str = ""
+
+
+@dataclass
+class Report:
+    runs: list[RunResult] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def run_bench(cfg: Config) -> Report:
+    report = Report()
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    report.notes.append(_load("at the start"))
+    cache = ImageCache(cfg.cache, log=lambda s: print(s, flush=True))
+    for image in cfg.images:  # build before any lab is up: debootstrap and conversion need no lab
+        cache.layout(image)
+        for v in cfg.formats:
+            if v in ("estargz-ours", "zstdchunked-ours", "nydus"):
+                cache.convert_ours(image, v)
+    with Lab(namespace="bench") as lab:
+        for image in cfg.images:
+            tags = prepare_images(lab, cache, image, cfg.formats, report.notes, cfg.out)
+            variants = [BASELINE] + [v for v in cfg.formats if v in tags]
+            workloads = [w for w in WORKLOADS[image] if cfg.workloads is None or w in cfg.workloads]
+            if not workloads:
+                report.notes.append(f"{image}: none of the workloads {cfg.workloads} apply")
+                continue
+            cells = [(w, v) for w in workloads for v in variants]
+            for net in cfg.nets:
+                with _network(lab, net, cfg) as host:
+                    for rep in range(cfg.n):
+                        order = cells if rep % 2 == 0 else list(reversed(cells))
+                        for workload, variant in order:
+                            argv, check = WORKLOADS[image][workload]
+                            expect = cache.file_sha256(image, check.split(":", 1)[1]) \
+                                if check and check.startswith("sha256:") else check
+                            ref = f"{host}/bench-{image}:{tags[variant]}"
+                            res = one_run(lab, image=image, workload=workload, net=net.name, variant=variant,
+                                          rep=rep, ref=ref, argv=argv, expect=expect)
+                            report.runs.append(res)
+                            print(f"{image} {workload:7} {net.name:9} {variant:16} rep {rep}: pull {res.pull_s:.2f}s "
+                                  f"run {res.run_s:.2f}s total {res.total_s:.2f}s "
+                                  f"fetched {res.fetched_bytes / 1e6:.1f} MB", flush=True)
+                            write_outputs(cfg, report)  # keep partial results on disk
+        cold_reset(lab)
+    report.notes.append(_load("at the end"))
+    write_outputs(cfg, report)
+    return report
+
+
+def _load(when: str) -> str:
+    one, five, fifteen = os.getloadavg()
+    return (f"load average {when}: {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} CPUs "
+            "(anything else running on the machine shows up in the timings)")
+
+
+@contextlib.contextmanager
+def _network(lab: Lab, net: Net, cfg: Config) -> Iterator[str]:
+    """Yields the registry host to pull from under `net`."""
+    if net.rtt_ms:
+        with delay_proxy(lab.registry_host, net.rtt_ms, cfg.out) as host:
+            if net.rate_mbit:
+                raise BenchError("combined latency + bandwidth is not supported")
+            yield host
+    elif net.rate_mbit:
+        with shaped(net.rate_mbit, int(lab.registry_host.rsplit(":", 1)[1]), cfg.shaper):
+            yield lab.registry_host
+    else:
+        yield lab.registry_host
+
+
+# ---- reporting --------------------------------------------------------------------------------------
+
+
+@dataclass
+class CellSummary:
+    image: str
+    workload: str
+    net: str
+    variant: str
+    n: int
+    pull_median_s: float
+    pull_min_s: float
+    pull_max_s: float
+    run_median_s: float
+    run_min_s: float
+    run_max_s: float
+    total_median_s: float
+    total_min_s: float
+    total_max_s: float
+    fetched_median_mb: float
+    requests_median: float
+    daemon_peak_mib: float
+    mount_peak_mib: float
+    containerd_peak_mib: float
+    total_ratio_vs_overlayfs: float | None
+    fetched_ratio_vs_overlayfs: float | None
+
+
+def summarize(runs: Sequence[RunResult]) -> list[CellSummary]:
+    keys: list[tuple[str, str, str, str]] = []
+    for r in runs:
+        k = (r.image, r.workload, r.net, r.variant)
+        if k not in keys:
+            keys.append(k)
+    cells: list[CellSummary] = []
+    for k in keys:
+        rs = [r for r in runs if (r.image, r.workload, r.net, r.variant) == k]
+
+        def med(xs: Sequence[float]) -> float:
+            return round(statistics.median(xs), 3)
+
+        pulls, execs, totals = [r.pull_s for r in rs], [r.run_s for r in rs], [r.total_s for r in rs]
+        cells.append(CellSummary(
+            *k, len(rs), med(pulls), min(pulls), max(pulls), med(execs), min(execs), max(execs),
+            med(totals), min(totals), max(totals), round(statistics.median([r.fetched_bytes for r in rs]) / 1e6, 2),
+            statistics.median([r.requests for r in rs]),
+            round(max(r.daemon_peak_kib for r in rs) / 1024, 1), round(max(r.mount_peak_kib for r in rs) / 1024, 1),
+            round(max(r.containerd_peak_kib for r in rs) / 1024, 1), None, None))
+    base = {(c.image, c.workload, c.net): c for c in cells if c.variant == BASELINE}
+    for c in cells:
+        b = base.get((c.image, c.workload, c.net))
+        if b is not None and b.total_median_s > 0:
+            c.total_ratio_vs_overlayfs = round(c.total_median_s / b.total_median_s, 3)
+        if b is not None and b.fetched_median_mb > 0:
+            c.fetched_ratio_vs_overlayfs = round(c.fetched_median_mb / b.fetched_median_mb, 4)
+    return cells
+
+
+def machine_info() -> dict[str, str]:
+    cpu = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem_kib = 0
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        mem_kib = int(Path("/proc/meminfo").read_text().split("\n")[0].split()[1])
+    return {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "uname": _version(["uname", "-a"]),
+        "cpu": f"{cpu} x {os.cpu_count()}",
+        "memory": f"{mem_kib / 1024 / 1024:.1f} GiB",
+        "containerd": _version(["containerd", "--version"]),
+        "ctr-remote": "stargz-snapshotter " + _version(["dpkg-query", "-W", "-f=${Version}", "stargz-snapshotter"]),
+        "revision": _revision(),
+    }
+
+
+def _revision() -> str:
+    """The checkout's commit, and whether the working tree differs from it (read-only git)."""
+    head = _version(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"])
+    dirty = _version(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"])
+    return f"{head}{' + uncommitted changes' if dirty else ''}"
+
+
+def _version(argv: Sequence[str]) -> str:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        return _run(argv, timeout=10).stdout.strip()
+    return "?"
+
+
+def _span(med: float, lo: float, hi: float, n: int) -> str:
+    return f"{med:.2f}" if n == 1 else f"{med:.2f} ({lo:.2f}–{hi:.2f})"
+
+
+def markdown(cfg: Config, report: Report, cells: Sequence[CellSummary]) -> str:
+    info = machine_info()
+    lines = [
+        "# Cold start benchmark",
+        "",
+        f"Ran {info['date']} on `{info['uname']}`; CPU: {info['cpu']}; memory {info['memory']}; "
+        f"{info['containerd']}; {info['ctr-remote']}; snapshotter at {info['revision']}.",
+        "",
+        f"Command: `{cfg.command or 'integration.bench.run'}`",
+        "",
+        "Every run is cold (images, snapshots, content removed; our daemon restarted on an empty root; page cache "
+        "dropped). Times are seconds, median (min–max) over n runs; pull = `ctr images pull` (overlayfs, full "
+        "download + unpack) or `ctr-remote image rpull` (lazy); run = `ctr run --rm` of the workload; fetched = body "
+        "bytes the registry sent (its log); RSS = peak VmHWM of our daemon / the image's mount process; ratio = "
+        "total time (and bytes) of the variant / overlayfs, same image, workload and network.",
+        "",
+        "| image | workload | network | variant | n | pull s | run s | total s | fetched MB | RSS daemon / mount MiB "
+        "| total vs overlayfs | bytes vs overlayfs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cells:
+        rss = f"{c.daemon_peak_mib:.0f} / {c.mount_peak_mib:.0f}" if c.variant != BASELINE else "–"
+        ratio = f"{c.total_ratio_vs_overlayfs:.2f}" if c.total_ratio_vs_overlayfs is not None else "–"
+        bratio = f"{c.fetched_ratio_vs_overlayfs:.3f}" if c.fetched_ratio_vs_overlayfs is not None else "–"
+        if c.variant == BASELINE:
+            ratio = bratio = "1"
+        lines.append(
+            f"| {c.image} | {c.workload} | {c.net} | {c.variant} | {c.n} "
+            f"| {_span(c.pull_median_s, c.pull_min_s, c.pull_max_s, c.n)} "
+            f"| {_span(c.run_median_s, c.run_min_s, c.run_max_s, c.n)} "
+            f"| {_span(c.total_median_s, c.total_min_s, c.total_max_s, c.n)} "
+            f"| {c.fetched_median_mb:.1f} | {rss} | {ratio} | {bratio} |"
+        )
+    workloads = sorted({(c.image, c.workload) for c in cells})
+    lines += ["", "Workloads: " + "; ".join(
+        f"{img}/{w} = `{shlex.join(WORKLOADS[img][w][0])}`" for img, w in workloads) + "."]
+    if report.notes:
+        lines += ["", "Notes:", *[f"- {n}" for n in report.notes]]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(cfg: Config, report: Report) -> list[CellSummary]:
+    cells = summarize(report.runs)
+    with open(cfg.out / "runs.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow([fl.name for fl in fields(RunResult)])
+        for r in report.runs:
+            w.writerow(list(asdict(r).values()))
+    with open(cfg.out / "results.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow([fl.name for fl in fields(CellSummary)])
+        for c in cells:
+            w.writerow(["" if v is None else v for v in asdict(c).values()])
+    md = markdown(cfg, report, cells)
+    (cfg.out / "report.md").write_text(md)
+    if cfg.results_md is not None:
+        cfg.results_md.write_text(md)
+    _chart(cfg.out / "results.png", cells)
+    return cells
+
+
+def _chart(path: Path, cells: Sequence[CellSummary]) -> None:
+    try:
+        import matplotlib  # type: ignore[import-not-found]
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # type: ignore[import-not-found]
+    except ImportError:
+        return
+    if not cells:
+        return
+    groups = sorted({(c.image, c.workload, c.net) for c in cells}, key=str)
+    variants = list(dict.fromkeys(c.variant for c in cells))
+    width = 0.8 / len(variants)
+    fig, ax = plt.subplots(figsize=(max(6, len(groups) * 1.4), 4))
+    for i, v in enumerate(variants):
+        ys = [next((c.total_median_s for c in cells if (c.image, c.workload, c.net) == g and c.variant == v), 0)
+              for g in groups]
+        ax.bar([x + i * width for x in range(len(groups))], ys, width, label=v)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(groups))])
+    ax.set_xticklabels(["\n".join(g) for g in groups], fontsize=7)
+    ax.set_ylabel("total seconds (median)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# ---- CLI --------------------------------------------------------------------------------------------
+
+
+def _csv_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Config:
+    p = argparse.ArgumentParser(prog="python -m integration.bench.run",
+                                description=" ".join(__doc__.split("\n\n")[0].split()))
+    p.add_argument("--n", type=int, default=5, help="runs per cell (default 5)")
+    p.add_argument("--images", default="big", help="small, big, all (= small,big) or tiny; comma-separated")
+    p.add_argument("--formats", default="estargz-ours",
+                   help=f"lazy variants, comma-separated, or 'all': {', '.join(LAZY_FORMATS)} (default estargz-ours)")
+    p.add_argument("--net", default="unshaped", help="unshaped, NNNmbit, latencyNN; comma-separated")
+    p.add_argument("--workloads", default="", help="subset of true,python,sha256 (default: all that apply)")
+    p.add_argument("--out", type=Path, default=Path("bench-out"))
+    p.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help=f"image cache (default {DEFAULT_CACHE})")
+    p.add_argument("--shaper", choices=("port", "tbf"), default="port")
+    p.add_argument("--results-md", type=Path, help="also write the Markdown report here")
+    a = p.parse_args(argv)
+    images = ["small", "big"] if a.images == "all" else _csv_list(a.images)
+    for im in images:
+        if im not in WORKLOADS:
+            p.error(f"unknown image {im!r}")
+    formats = list(LAZY_FORMATS) if a.formats == "all" else _csv_list(a.formats)
+    for f in formats:
+        if f not in LAZY_FORMATS:
+            p.error(f"unknown format {f!r} (known: {', '.join(LAZY_FORMATS)})")
+    if a.n < 1:
+        p.error("--n must be at least 1")
+    try:
+        nets = tuple(parse_net(x) for x in _csv_list(a.net))
+    except argparse.ArgumentTypeError as e:
+        p.error(str(e))
+    return Config(
+        n=a.n, images=tuple(images), formats=tuple(formats), nets=nets,
+        workloads=tuple(_csv_list(a.workloads)) or None, out=a.out, cache=a.cache, shaper=a.shaper,
+        results_md=a.results_md,
+        command="python -m integration.bench.run " + shlex.join(list(argv if argv is not None else sys.argv[1:])),
+    )
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)  # unwinds through every cleanup context above
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    if os.geteuid() != 0:
+        print("integration.bench.run: must run as root (containerd, FUSE, tc, drop_caches)", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _terminate)
+    # A shell starts background jobs with SIGINT ignored; a benchmark must still stop (and clean up) on it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        report = run_bench(cfg)
+    except (BenchError, BuildError, LabError) as e:
+        print(f"integration.bench.run: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("integration.bench.run: interrupted (lab, qdisc and proxy removed); partial results in "
+              f"{cfg.out}", file=sys.stderr)
+        return 130
+    print((cfg.out / "report.md").read_text())
+    for note in report.notes:
+        print(f"note: {note}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

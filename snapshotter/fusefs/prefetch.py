@@ -1,0 +1,394 @@
+"""Prefetch in the mount process: the landmark prefetch before start-up, then the background fetch.
+
+Landmark prefetch (per layer, all layers at once, as soon as the mount is up):
+- runs when the layer's index lists prefetch files (`LayerIndex.prefetch`: the files before an
+  eStargz/zstd:chunked `.prefetch.landmark`, or a Nydus bootstrap's prefetch table) and the layer
+  has no `.no.prefetch.landmark`;
+- fetches every chunk of those files into the chunk cache, pinned for the life of the process,
+  merging chunks of one blob that lie at most `PREFETCH_MAX_GAP` bytes apart into one range
+  request of at most max(max_merge_bytes, max_inflight_bytes / 4) bytes: an eStargz prefetch
+  region is contiguous (file payloads separated by small tar headers), so a layer whose region
+  fits takes one request;
+- a foreground read of a chunk being prefetched waits for that fetch (the reader's single
+  flight), so start-up reads of prefetched files are served from it, never fetched twice.
+Readiness: the mount serves reads as soon as it is mounted; the process writes its ready file
+when every layer's prefetch has finished or `prefetch_timeout` has passed, whichever is first
+(prefetch goes on after the timeout). The daemon waits for the ready file, so container start
+waits for prefetch at most `prefetch_timeout`.
+
+Background fetch (`[prefetch] background`, after every layer's prefetch has finished):
+- one task per mount fetches the chunks of every layer that are not cached yet, lowest layer
+  first, one merged range request (a "unit") at a time, so at most one background request is
+  in flight;
+- it starts `background_delay` seconds after the prefetch at the earliest, and before each unit
+  waits until no on-demand read has been running for `background_delay` seconds, so on-demand
+  reads always go first;
+- `background_bytes_per_second` (0 = unlimited) paces it: after each unit it sleeps until the
+  bytes fetched so far divided by the elapsed time is at most the cap; units are then about a
+  quarter second of the cap (at least 64 KiB, at most max_merge_bytes);
+- it stops, `reason=cache_full`, before a unit that would not fit in the cache without
+  evicting anything (pinned or not), and ends with the process (cancelled by the unmount).
+Observability: one `event=prefetch` and one `event=background` log line per layer (key=value),
+and `Prefetcher.status`: a plain dict, layer key -> dict (see `PrefetchStatus`), updated live.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import trio
+
+from snapshotter.formats.index import Chunk, EntryType, Landmark, LayerIndex
+from snapshotter.fusefs.ops import LayerReader
+from snapshotter.fusefs.tree import MountTree
+
+log = logging.getLogger(__name__)
+
+PREFETCH_MAX_GAP = 1 << 20
+BACKGROUND_MAX_GAP = 64 << 10
+MIN_UNIT_BYTES = 64 << 10
+DEFAULT_PREFETCH_TIMEOUT = 10.0
+
+
+@dataclass(frozen=True)
+class PrefetchSettings:
+    """From the state file: "prefetch_timeout" (or the daemon config's), and the daemon config's
+    [prefetch] section."""
+
+    prefetch_timeout: float = DEFAULT_PREFETCH_TIMEOUT
+    background: bool = True
+    background_bytes_per_second: int = 0
+    background_delay: float = 3.0
+
+    @classmethod
+    def from_doc(cls, doc: Mapping[str, Any]) -> PrefetchSettings:
+        config = doc.get("config") if isinstance(doc.get("config"), Mapping) else {}
+        assert isinstance(config, Mapping)
+        section = config.get("prefetch") if isinstance(config.get("prefetch"), Mapping) else {}
+        assert isinstance(section, Mapping)
+        timeout = doc.get("prefetch_timeout", config.get("prefetch_timeout", DEFAULT_PREFETCH_TIMEOUT))
+
+        def num(value: Any, default: float) -> float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            return float(value) if ok and value >= 0 else default
+
+        background = section.get("background", True)
+        return cls(
+            prefetch_timeout=num(timeout, DEFAULT_PREFETCH_TIMEOUT),
+            background=background if isinstance(background, bool) else True,
+            background_bytes_per_second=int(num(section.get("background_bytes_per_second", 0), 0)),
+            background_delay=num(section.get("background_delay", 3.0), 3.0),
+        )
+
+
+@dataclass
+class PrefetchStatus:
+    """One layer's prefetch and background fetch, as the stats file and logs show them.
+
+    prefetch: "pending", "running", "done", "failed" or "skipped" (then prefetch_reason says why:
+      "no_prefetch_landmark", "no_prefetch_files", "local_blob", "no_cache").
+    background: "pending", "waiting" (for the landmark prefetch / for reads to pause), "running",
+      "done", "disabled", "stopped" (background_reason: "cache_full", "unmounted", "error: ...")
+      or "skipped" (same reasons as prefetch_reason).
+    *_bytes: compressed bytes fetched from the registry (range gaps included); *_seconds: wall time.
+    """
+
+    layer: str
+    format: str
+    landmark: str
+    prefetch: str = "pending"
+    prefetch_reason: str = ""
+    prefetch_files: int = 0
+    prefetch_chunks: int = 0
+    prefetch_bytes: int = 0
+    prefetch_requests: int = 0
+    prefetch_seconds: float = 0.0
+    background: str = "pending"
+    background_reason: str = ""
+    background_chunks: int = 0
+    background_bytes: int = 0
+    background_requests: int = 0
+    background_seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class ForegroundGate:
+    """Counts on-demand reads in flight and when the last one ended (trio clock)."""
+
+    def __init__(self) -> None:
+        self.active = 0
+        self.last_end = -math.inf
+        self.reads = 0
+
+    def wrap(self, reader: LayerReader) -> LayerReader:
+        return _TrackedReader(reader, self)
+
+    async def wait_quiet(self, quiet: float) -> float:
+        """Return once no read is running and none ended in the last `quiet` seconds; returns
+        the seconds waited."""
+        began = trio.current_time()
+        while True:
+            now = trio.current_time()
+            if self.active == 0 and now - self.last_end >= quiet:
+                return now - began
+            wait = quiet - (now - self.last_end) if self.active == 0 else quiet
+            await trio.sleep(max(0.01, min(wait, 0.1)))
+
+
+class _TrackedReader:
+    """A reader whose reads the gate counts; other attributes are the wrapped reader's."""
+
+    def __init__(self, inner: LayerReader, gate: ForegroundGate) -> None:
+        self.inner = inner
+        self._gate = gate
+
+    async def read(self, entry: Any, offset: int, size: int) -> bytes:
+        gate = self._gate
+        gate.active += 1
+        gate.reads += 1
+        try:
+            return await self.inner.read(entry, offset, size)
+        finally:
+            gate.active -= 1
+            gate.last_end = trio.current_time()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _landmark_name(index: LayerIndex) -> str:
+    return index.landmark.value
+
+
+def prefetch_chunks(index: LayerIndex) -> tuple[int, list[Chunk]]:
+    """(number of files, their chunks in layer order) of the index's prefetch files."""
+    files = 0
+    chunks: list[Chunk] = []
+    for name in index.prefetch:
+        entry = index.get(name)
+        if entry is None or entry.type is not EntryType.REG:
+            continue
+        files += 1
+        chunks.extend(c for c in entry.chunks if not c.zeros)
+    return files, chunks
+
+
+def _layer_chunks(index: LayerIndex) -> list[Chunk]:
+    """Every fetchable chunk of the layer, in blob order."""
+    chunks = [c for e in index.entries if e.type is EntryType.REG for c in e.chunks if not c.zeros]
+    chunks.sort(key=lambda c: (c.blob_index, c.blob_offset))
+    return chunks
+
+
+class Prefetcher:
+    """The prefetch and background fetch of one mount; see the module docstring.
+
+    `readers[i]` serves `tree.layers[i]`; `names[i]` is its layer digest (status key).
+    Start `run()` in a nursery once the filesystem is mounted; `prefetched` is set when every
+    layer's landmark prefetch has ended (done, failed or skipped).
+    """
+
+    def __init__(self, tree: MountTree, readers: Sequence[LayerReader], names: Sequence[str],
+                 settings: PrefetchSettings) -> None:
+        if len(readers) != len(tree.layers) or len(names) != len(tree.layers):
+            raise ValueError("one reader and one name per layer")
+        self.tree = tree
+        self.readers = tuple(readers)
+        self.settings = settings
+        self.gate = ForegroundGate()
+        self.prefetched = trio.Event()
+        self.layers: list[PrefetchStatus] = []
+        self.status: dict[str, dict[str, Any]] = {}
+        self._keys: list[str] = []
+        for i, (index, name) in enumerate(zip(tree.layers, names, strict=True)):
+            key = f"{i}:{name}" if name else str(i)
+            self._keys.append(key)
+            self.layers.append(PrefetchStatus(layer=name, format=index.format, landmark=_landmark_name(index)))
+        self._publish()
+
+    def tracked(self, readers: Sequence[LayerReader]) -> list[LayerReader]:
+        """The readers to give the filesystem: on-demand reads through them pause the background."""
+        return [self.gate.wrap(r) for r in readers]
+
+    def _publish(self) -> None:
+        for key, st in zip(self._keys, self.layers, strict=True):
+            self.status[key] = st.as_dict()
+
+    def summary(self) -> dict[str, Any]:
+        """Totals for the ready file and logs."""
+        return {
+            "prefetch_bytes": sum(s.prefetch_bytes for s in self.layers),
+            "prefetch_requests": sum(s.prefetch_requests for s in self.layers),
+            "prefetch_layers": sum(s.prefetch == "done" for s in self.layers),
+            "prefetch_done": self.prefetched.is_set(),
+        }
+
+    def stats_hook(self) -> dict[str, Any]:
+        """For the mount's stats file (fusefs/stats.py `stats_hooks`): {"prefetch": {...}}."""
+        return {"prefetch": {**self.summary(), "layers": {k: dict(v) for k, v in self.status.items()}}}
+
+    def _skip_reason(self, i: int) -> str:
+        index, reader = self.tree.layers[i], self.readers[i]
+        if not hasattr(reader, "fetch_chunks"):  # reader.layer.LayerReader; a local blob needs no prefetch
+            return "local_blob"
+        if getattr(reader, "cache", None) is None:
+            return "no_cache"
+        if index.landmark is Landmark.NO_PREFETCH:
+            return "no_prefetch_landmark"
+        if not index.prefetch:
+            return "no_prefetch_files"
+        return ""
+
+    # -- running -----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Prefetch every layer, then (when enabled) fetch the rest in the background."""
+        try:
+            async with trio.open_nursery() as nursery:
+                for i in range(len(self.layers)):
+                    nursery.start_soon(self._prefetch_layer, i)
+        finally:
+            self.prefetched.set()
+            self._publish()
+        await self._background()
+
+    async def _prefetch_layer(self, i: int) -> None:
+        st = self.layers[i]
+        reason = self._skip_reason(i)
+        if reason:
+            st.prefetch, st.prefetch_reason = "skipped", reason
+            log.info("event=prefetch layer=%s status=skipped reason=%s landmark=%s", st.layer, reason, st.landmark)
+            self._publish()
+            return
+        reader: Any = self.readers[i]
+        files, chunks = prefetch_chunks(self.tree.layers[i])
+        st.prefetch, st.prefetch_files, st.prefetch_chunks = "running", files, len(chunks)
+        self._publish()
+        began = time.monotonic()
+        cfg = reader.config
+        max_run = max(cfg.max_merge_bytes, cfg.max_inflight_bytes // 4)
+        tally: Any = None
+        try:
+            tally = await reader.fetch_chunks(chunks, pin=True, max_gap=PREFETCH_MAX_GAP, max_run_bytes=max_run)
+        except Exception as exc:  # a failed prefetch only costs on-demand fetches later
+            st.prefetch, st.prefetch_reason = "failed", f"{type(exc).__name__}: {exc}"
+        else:
+            st.prefetch = "done"
+        finally:
+            st.prefetch_seconds = round(time.monotonic() - began, 6)
+            if tally is not None:
+                st.prefetch_bytes, st.prefetch_requests = tally.fetched_bytes, tally.requests
+            self._publish()
+        log.info("event=prefetch layer=%s status=%s files=%d chunks=%d bytes=%d requests=%d seconds=%.3f%s",
+                 st.layer, st.prefetch, files, len(chunks), st.prefetch_bytes, st.prefetch_requests,
+                 st.prefetch_seconds, f" error={st.prefetch_reason!r}" if st.prefetch == "failed" else "")
+
+    async def _background(self) -> None:
+        if not self.settings.background:
+            for st in self.layers:
+                st.background = "disabled"
+            self._publish()
+            log.info("event=background status=disabled")
+            return
+        # The quiet period counts from now too: background starts `background_delay` after the
+        # landmark prefetch at the earliest, giving a starting container's first reads the way.
+        self.gate.last_end = max(self.gate.last_end, trio.current_time())
+        for i, st in enumerate(self.layers):
+            reason = self._skip_reason(i)
+            if reason in ("local_blob", "no_cache"):
+                st.background, st.background_reason = "skipped", reason
+                self._publish()
+                continue
+            try:
+                done = await self._background_layer(i)
+            except trio.Cancelled:
+                self._stop_from(i, "unmounted")
+                raise
+            except Exception as exc:  # the background fetch is an optimization: never fatal
+                self._stop_from(i, f"error: {type(exc).__name__}: {exc}")
+                return
+            if not done:
+                self._stop_from(i + 1, st.background_reason)
+                return
+
+    def _stop_from(self, first: int, reason: str) -> None:
+        for st in self.layers[first:]:
+            if st.background in ("pending", "waiting", "running"):
+                if st.background != "pending":
+                    log.info("event=background layer=%s status=stopped reason=%s chunks=%d bytes=%d requests=%d",
+                             st.layer, reason.split(":")[0], st.background_chunks, st.background_bytes,
+                             st.background_requests)
+                st.background, st.background_reason = "stopped", reason
+        self._publish()
+
+    async def _background_layer(self, i: int) -> bool:
+        """Fetch layer i's missing chunks; False when the background fetch must stop."""
+        s = self.settings
+        st = self.layers[i]
+        reader: Any = self.readers[i]
+        cache = reader.cache
+        assert cache is not None
+        st.background = "waiting"
+        self._publish()
+        chunks = _layer_chunks(self.tree.layers[i])
+        keys = [reader.key_for(c) for c in chunks]
+        present = await trio.to_thread.run_sync(cache.present, list(set(keys)))
+        missing = [c for c, k in zip(chunks, keys, strict=True) if k not in present]
+        rate = s.background_bytes_per_second
+        unit = reader.config.max_merge_bytes
+        if rate:
+            unit = min(unit, max(MIN_UNIT_BYTES, rate // 4))
+        began = time.monotonic()
+        paced_from = trio.current_time()
+        paced_bytes = 0
+        st.background = "running"
+        for group in _units(missing, unit, BACKGROUND_MAX_GAP):
+            await self.gate.wait_quiet(s.background_delay)
+            need = sum(c.inner_offset + c.size for c in group)
+            usage = await trio.to_thread.run_sync(cache.usage)
+            if usage.bytes + need > cache.max_bytes:
+                st.background, st.background_reason = "stopped", "cache_full"
+                break
+            tally = await reader.fetch_chunks(group, background=True, max_gap=BACKGROUND_MAX_GAP,
+                                              max_run_bytes=unit)
+            st.background_chunks += tally.fetched
+            st.background_bytes += tally.fetched_bytes
+            st.background_requests += tally.requests
+            st.background_seconds = round(time.monotonic() - began, 6)
+            self._publish()
+            if rate and tally.fetched_bytes:
+                paced_bytes += tally.fetched_bytes
+                await trio.sleep_until(paced_from + paced_bytes / rate)
+        else:
+            st.background = "done"
+        st.background_seconds = round(time.monotonic() - began, 6)
+        self._publish()
+        log.info("event=background layer=%s status=%s%s chunks=%d bytes=%d requests=%d seconds=%.3f rate_cap=%d",
+                 st.layer, st.background, f" reason={st.background_reason}" if st.background_reason else "",
+                 st.background_chunks, st.background_bytes, st.background_requests, st.background_seconds, rate)
+        return st.background == "done"
+
+
+def _units(chunks: Sequence[Chunk], limit: int, max_gap: int) -> list[list[Chunk]]:
+    """Split blob-ordered chunks into groups the reader fetches with one request each: one blob,
+    ranges at most `max_gap` apart, at most `limit` bytes (a bigger chunk is a unit of its own)."""
+    units: list[list[Chunk]] = []
+    start = end = 0
+    for c in chunks:
+        c_end = c.blob_offset + c.blob_size
+        if (units and units[-1][-1].blob_index == c.blob_index and c.blob_offset <= end + max_gap
+                and max(end, c_end) - start <= limit):
+            units[-1].append(c)
+            end = max(end, c_end)
+        else:
+            units.append([c])
+            start, end = c.blob_offset, c_end
+    return units
+

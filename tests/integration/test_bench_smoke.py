@@ -1,0 +1,104 @@
+"""The benchmark harness (integration.bench.run) end to end on a tiny image, so it cannot rot:
+one run per cell, the Foundation busybox image, the delaying proxy, our eStargz.
+
+No wall-clock limits are asserted; the report must have the expected rows and columns with sane
+values, and the harness must leave nothing behind (lab dir, mounts, qdisc, proxy).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from integration.bench import run
+from integration.lab import REPO_ROOT, free_port, mounts_under, pids_mentioning
+
+
+def test_bench_harness_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    lab_base = tmp_path / "labs"
+    lab_base.mkdir()
+    argv = [sys.executable, "-m", "integration.bench.run", "--n", "1", "--images", "tiny", "--formats",
+            "estargz-ours", "--net", "latency20", "--out", str(out), "--cache", str(tmp_path / "cache")]
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), TMPDIR=str(lab_base))
+    r = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=150)
+    assert r.returncode == 0, f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-5000:]}"
+
+    with open(out / "results.csv", newline="") as f:
+        cells = list(csv.DictReader(f))
+    assert {(c["workload"], c["variant"]) for c in cells} == {
+        ("true", "overlayfs"), ("true", "estargz-ours"), ("sha256", "overlayfs"), ("sha256", "estargz-ours")}
+    for c in cells:
+        assert c["image"] == "tiny" and c["net"] == "latency20" and c["n"] == "1"
+        assert 0 < float(c["pull_median_s"]) and 0 < float(c["run_median_s"])
+        assert abs(float(c["total_median_s"]) - float(c["pull_median_s"]) - float(c["run_median_s"])) < 0.01
+        assert float(c["fetched_median_mb"]) > 0
+        assert float(c["total_ratio_vs_overlayfs"]) > 0
+    by = {(c["workload"], c["variant"]): c for c in cells}
+    full, lazy = by[("sha256", "overlayfs")], by[("sha256", "estargz-ours")]
+    assert float(full["total_ratio_vs_overlayfs"]) == 1.0
+    # A full pull fetches every layer; the lazy `true` run fetches much less than that.
+    assert float(by[("true", "estargz-ours")]["fetched_median_mb"]) < float(full["fetched_median_mb"])
+    # The lazy sha256 reads the 3 MB file through our daemon's mount process.
+    assert float(lazy["fetched_median_mb"]) >= 3.0
+    assert float(lazy["daemon_peak_mib"]) > 0 and float(lazy["mount_peak_mib"]) > 0
+
+    with open(out / "runs.csv", newline="") as f:
+        assert len(list(csv.DictReader(f))) == 4
+    md = (out / "report.md").read_text()
+    assert "| tiny | sha256 | latency20 | estargz-ours | 1 |" in md and "Linux" in md
+
+    # Nothing left behind.
+    assert not list(lab_base.glob("lazylab-*")), "the lab dir was not removed"
+    assert not mounts_under(tmp_path)
+    assert not pids_mentioning(str(out), exclude={os.getpid()}), "the delaying proxy is still running"
+
+
+def _lo_qdisc() -> str:
+    return subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True, timeout=10).stdout
+
+
+def test_shaping_is_removed_even_on_error() -> None:
+    before = _lo_qdisc()
+    try:
+        with run.shaped(200, free_port(), "port"):
+            assert "htb" in _lo_qdisc()
+            raise KeyError("boom")
+    except KeyError:
+        pass
+    except run.BenchError as e:
+        # Someone else (a benchmark run) is shaping lo right now: we must refuse and touch nothing.
+        assert "already has a qdisc" in str(e)
+    assert _lo_qdisc() == before
+
+
+def test_network_names_parse() -> None:
+    assert run.parse_net("unshaped") == run.Net("unshaped")
+    assert run.parse_net("200mbit") == run.Net("200mbit", rate_mbit=200)
+    assert run.parse_net("latency50") == run.Net("latency50", rtt_ms=50.0)
+
+
+def test_registry_bytes_counts_gets_after_offset(tmp_path: Path) -> None:
+    log = tmp_path / "registry.log"
+    line = ('time="t" level=info msg="response completed" http.request.method={m} '
+            'http.request.uri="/v2/r/blobs/sha256:ab" http.response.status=206 http.response.written={n}\n')
+    log.write_text(line.format(m="GET", n=1000))
+    offset = log.stat().st_size
+    with open(log, "a") as f:
+        f.write(line.format(m="GET", n=70) + line.format(m="HEAD", n=0) + line.format(m="GET", n=30))
+    assert run.registry_bytes(log, offset) == (100, 2)
+
+
+def test_summary_ratios() -> None:
+    def rr(variant: str, total: float, fetched: int) -> run.RunResult:
+        return run.RunResult("img", "true", "unshaped", variant, 0, total / 2, total / 2, total, fetched, 1, 0, 0, 0)
+
+    cells = run.summarize([rr("overlayfs", 4.0, 4_000_000), rr("estargz-ours", 1.0, 1_000_000),
+                           rr("overlayfs", 6.0, 6_000_000), rr("estargz-ours", 3.0, 1_000_000)])
+    by = {c.variant: c for c in cells}
+    assert by["overlayfs"].total_median_s == 5.0 and by["overlayfs"].total_min_s == 4.0
+    assert by["estargz-ours"].total_ratio_vs_overlayfs == 0.4
+    assert by["estargz-ours"].fetched_ratio_vs_overlayfs == 0.2
