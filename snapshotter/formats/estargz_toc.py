@@ -24,17 +24,13 @@ Contracts:
 
 from __future__ import annotations
 
-import binascii
 import bisect
-import datetime
 import gc
 import hashlib
 import json
-import re
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
 
 from snapshotter.errors import DigestMismatch, FormatError, LimitExceeded
@@ -51,6 +47,7 @@ from snapshotter.formats.index import (
     check_chunks,
     normalize_name,
 )
+from snapshotter.formats.toc_fields import digest_field, int_field, mtime_ns_field, str_field, xattrs_field
 
 TOC_TAR_NAME = "stargz.index.json"
 FORMAT_NAME = "estargz"
@@ -58,11 +55,8 @@ FORMAT_NAME = "estargz"
 # Deflate cannot expand data by more than 1032:1; a chunk claiming more bytes than that from its
 # compressed range is lying, and would only make us inflate garbage.
 _MAX_DEFLATE_RATIO = 1032
-_MAX_INT = (1 << 63) - 1
 _MAX_ID = (1 << 32) - 1
-_DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
 _TYPES = {t.value: t for t in EntryType}
-_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
 # After the JSON the TOC tar holds at most 511 padding bytes and the 1024-byte end marker; allow a
 # little more (some writers pad to a record) before calling the member malformed.
 _MAX_TOC_TRAILER = 1 << 16
@@ -137,64 +131,14 @@ def _toc_json(member: bytes, layer: str, max_toc_bytes: int) -> bytes:
     return data
 
 
-def _int(raw: Mapping[str, Any], key: str, what: str, *, hi: int = _MAX_INT) -> int:
-    v = raw.get(key, 0)
-    if v is None:
-        return 0
-    if type(v) is not int or not 0 <= v <= hi:
-        raise FormatError(f"{what}: field {key!r} is {v!r}, expected an integer in [0, {hi}]")
-    return v
 
 
-def _str(raw: Mapping[str, Any], key: str, what: str) -> str:
-    v = raw.get(key, "")
-    if v is None:
-        return ""
-    if not isinstance(v, str):
-        raise FormatError(f"{what}: field {key!r} is {type(v).__name__}, expected a string")
-    if "\x00" in v:
-        raise FormatError(f"{what}: field {key!r} contains a NUL byte")
-    return v
 
 
-def _digest(raw: Mapping[str, Any], key: str, what: str) -> str | None:
-    v = _str(raw, key, what)
-    if not v:
-        return None
-    if not _DIGEST_RE.fullmatch(v):
-        raise FormatError(f"{what}: {key} {v!r} is not 'sha256:<64 lowercase hex>'")
-    return v
 
 
-def _mtime_ns(raw: Mapping[str, Any], what: str) -> int:
-    text = _str(raw, "modtime", what)
-    if not text:
-        return 0
-    try:
-        t = datetime.datetime.fromisoformat(text)
-    except ValueError:
-        raise FormatError(f"{what}: modtime {text!r} is not RFC 3339") from None
-    if t.tzinfo is None:
-        raise FormatError(f"{what}: modtime {text!r} has no time zone")
-    delta = t - _EPOCH
-    return ((delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds) * 1000
 
 
-def _xattrs(raw: Mapping[str, Any], what: str) -> Mapping[str, bytes]:
-    v = raw.get("xattrs")
-    if v is None:
-        return MappingProxyType({})
-    if not isinstance(v, dict):
-        raise FormatError(f"{what}: xattrs is {type(v).__name__}, expected an object")
-    out: dict[str, bytes] = {}
-    for k, b64 in v.items():
-        if not k or "\x00" in k or not isinstance(b64, str):
-            raise FormatError(f"{what}: bad xattr {k!r}")
-        try:
-            out[k] = binascii.a2b_base64(b64.encode("ascii"), strict_mode=True)
-        except (binascii.Error, UnicodeEncodeError):
-            raise FormatError(f"{what}: xattr {k!r} value is not base64") from None
-    return MappingProxyType(out)
 
 
 def _name(raw: str) -> str:
@@ -244,11 +188,11 @@ class _Pending:
 
 def _data_chunk(raw: Mapping[str, Any], what: str) -> _RawChunk:
     return _RawChunk(
-        file_offset=_int(raw, "chunkOffset", what),
-        size=_int(raw, "chunkSize", what),
-        blob_offset=_int(raw, "offset", what),
-        inner_offset=_int(raw, "innerOffset", what),
-        digest=_digest(raw, "chunkDigest", what),
+        file_offset=int_field(raw, "chunkOffset", what),
+        size=int_field(raw, "chunkSize", what),
+        blob_offset=int_field(raw, "offset", what),
+        inner_offset=int_field(raw, "innerOffset", what),
+        digest=digest_field(raw, "chunkDigest", what),
     )
 
 
@@ -280,7 +224,7 @@ def _finish_chunks(p: _Pending, offsets: list[int], toc_offset: int, what: str) 
 
 
 def _entry(raw: Mapping[str, Any], type_: EntryType, name: str, what: str) -> dict[str, Any]:
-    link = _str(raw, "linkName", what)
+    link = str_field(raw, "linkName", what)
     if type_ is EntryType.HARDLINK:
         link = normalize_name(link, allow_root=False)
     elif type_ is EntryType.SYMLINK:
@@ -288,16 +232,16 @@ def _entry(raw: Mapping[str, Any], type_: EntryType, name: str, what: str) -> di
             raise FormatError(f"{what}: symlink without a target")
     else:
         link = ""
-    size = _int(raw, "size", what) if type_ is EntryType.REG else 0
+    size = int_field(raw, "size", what) if type_ is EntryType.REG else 0
     dev = type_ in (EntryType.CHAR, EntryType.BLOCK)
     return dict(
-        name=name, type=type_, mode=_int(raw, "mode", what) & 0o7777,
-        uid=_int(raw, "uid", what, hi=_MAX_ID), gid=_int(raw, "gid", what, hi=_MAX_ID),
-        mtime_ns=_mtime_ns(raw, what), size=size, link_target=link,
-        dev_major=_int(raw, "devMajor", what, hi=_MAX_ID) if dev else 0,
-        dev_minor=_int(raw, "devMinor", what, hi=_MAX_ID) if dev else 0,
-        xattrs=_xattrs(raw, what),
-        digest=_digest(raw, "digest", what) if type_ is EntryType.REG else None,
+        name=name, type=type_, mode=int_field(raw, "mode", what) & 0o7777,
+        uid=int_field(raw, "uid", what, hi=_MAX_ID), gid=int_field(raw, "gid", what, hi=_MAX_ID),
+        mtime_ns=mtime_ns_field(raw, what), size=size, link_target=link,
+        dev_major=int_field(raw, "devMajor", what, hi=_MAX_ID) if dev else 0,
+        dev_minor=int_field(raw, "devMinor", what, hi=_MAX_ID) if dev else 0,
+        xattrs=xattrs_field(raw, what),
+        digest=digest_field(raw, "digest", what) if type_ is EntryType.REG else None,
     )
 
 
@@ -363,11 +307,11 @@ def _build(raws: list[Any], what: str, layer_digest: str, toc_offset: int, toc_d
         ewhat = f"{what}, entry {i}"
         if not isinstance(raw, dict):
             raise FormatError(f"{ewhat}: not an object")
-        kind = _str(raw, "type", ewhat)
+        kind = str_field(raw, "type", ewhat)
         if kind == "chunk":
             if last_reg is None:
                 raise FormatError(f"{ewhat}: chunk entry does not follow a regular file")
-            cname = _str(raw, "name", ewhat)
+            cname = str_field(raw, "name", ewhat)
             if cname and normalize_name(cname) != last_reg.name:
                 raise FormatError(f"{ewhat}: chunk of {cname!r} follows file {last_reg.name!r}")
             rc = _data_chunk(raw, ewhat)
@@ -377,7 +321,7 @@ def _build(raws: list[Any], what: str, layer_digest: str, toc_offset: int, toc_d
         if kind not in _TYPES:
             raise FormatError(f"{ewhat}: unknown entry type {kind!r}")
         type_ = _TYPES[kind]
-        name = _name(_str(raw, "name", ewhat))
+        name = _name(str_field(raw, "name", ewhat))
         ewhat = f"{what}, entry {name!r}"
         if name in by_name:
             raise FormatError(f"{ewhat}: listed twice")

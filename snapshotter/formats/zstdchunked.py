@@ -52,9 +52,7 @@ Contracts: pure (no IO beyond caller-provided streams); every malformed input ra
 from __future__ import annotations
 
 import base64
-import binascii
 import bisect
-import calendar
 import dataclasses
 import datetime
 import enum
@@ -85,6 +83,15 @@ from snapshotter.formats.index import (
     check_chunks,
     normalize_name,
 )
+from snapshotter.formats.toc_fields import (
+    DIGEST_RE,
+    MAX_INT,
+    digest_field,
+    int_field,
+    mtime_ns_field,
+    str_field,
+    xattrs_field,
+)
 
 FORMAT_NAME = "zstd:chunked"
 SKIPPABLE_MAGIC = b"\x50\x2a\x4d\x18"
@@ -104,13 +111,8 @@ CONTAINERS_TARSPLIT_KEY = "io.github.containers.zstd-chunked.tarsplit-position"
 TOC_DIGEST_KEY = "containerd.io/snapshot/stargz/toc.digest"
 UNCOMPRESSED_SIZE_KEY = "io.containers.estargz.uncompressed-size"
 
-_MAX_INT = (1 << 63) - 1
 _MAX_ID = (1 << 32) - 1
-_DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
 _DECIMAL_RE = re.compile(r"[0-9]{1,19}")
-_TIME_RE = re.compile(
-    r"(\d{4})-(\d{2})-(\d{2})[Tt](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?(?:([Zz])|([+-])(\d{2}):(\d{2}))"
-)
 _TYPES = {t.value: t for t in EntryType}
 _READ_BLOCK = 1 << 20
 
@@ -173,7 +175,7 @@ def parse_footer(tail: bytes, *, blob_size: int | None = None) -> ZstdFooter:
         raise FormatError(f"not a zstd:chunked footer: trailing magic {tail[-8:]!r}")
     if pos.manifest_type != MANIFEST_TYPE_CRFS:
         raise FormatError(f"zstd:chunked footer: manifest type {pos.manifest_type}, expected 1")
-    if pos.offset > _MAX_INT or pos.compressed_size > _MAX_INT or pos.uncompressed_size > _MAX_INT:
+    if pos.offset > MAX_INT or pos.compressed_size > MAX_INT or pos.uncompressed_size > MAX_INT:
         raise FormatError("zstd:chunked footer: field out of range")
     if blob_size is not None:
         pos.check_fits(blob_size)
@@ -205,7 +207,7 @@ def manifest_position_from_annotations(annotations: Mapping[str, str]) -> Manife
     if mtype != MANIFEST_TYPE_CRFS:
         raise FormatError(f"annotation {pkey}={value!r}: manifest type {mtype}, expected 1")
     checksum = annotations.get(ckey)
-    if checksum is not None and (not isinstance(checksum, str) or not _DIGEST_RE.fullmatch(checksum)):
+    if checksum is not None and (not isinstance(checksum, str) or not DIGEST_RE.fullmatch(checksum)):
         raise FormatError(f"annotation {ckey}={checksum!r} is not 'sha256:<64 lowercase hex>'")
     tar_split = None
     ts = annotations.get(CONTAINERS_TARSPLIT_KEY) if layout is Layout.CONTAINERS else None
@@ -243,71 +245,14 @@ def _bounded_unzstd(compressed: bytes, limit: int, what: str) -> bytes:
     return bytes(out)
 
 
-def _int(raw: Mapping[str, Any], key: str, what: str, *, hi: int = _MAX_INT) -> int:
-    v = raw.get(key, 0)
-    if v is None:
-        return 0
-    if type(v) is not int or not 0 <= v <= hi:
-        raise FormatError(f"{what}: field {key!r} is {v!r}, expected an integer in [0, {hi}]")
-    return v
 
 
-def _str(raw: Mapping[str, Any], key: str, what: str) -> str:
-    v = raw.get(key, "")
-    if v is None:
-        return ""
-    if not isinstance(v, str):
-        raise FormatError(f"{what}: field {key!r} is {type(v).__name__}, expected a string")
-    if "\x00" in v:
-        raise FormatError(f"{what}: field {key!r} contains a NUL byte")
-    return v
 
 
-def _digest(raw: Mapping[str, Any], key: str, what: str) -> str | None:
-    v = _str(raw, key, what)
-    if not v:
-        return None
-    if not _DIGEST_RE.fullmatch(v):
-        raise FormatError(f"{what}: {key} {v!r} is not 'sha256:<64 lowercase hex>'")
-    return v
 
 
-def _mtime_ns(raw: Mapping[str, Any], what: str) -> int:
-    """RFC 3339 (eStargz: whole seconds; containers/storage: RFC3339Nano) -> ns since the epoch."""
-    text = _str(raw, "modtime", what)
-    if not text:
-        return 0
-    m = _TIME_RE.fullmatch(text)
-    if not m:
-        raise FormatError(f"{what}: modtime {text!r} is not RFC 3339")
-    y, mo, d, h, mi, s = (int(g) for g in m.group(1, 2, 3, 4, 5, 6))
-    try:
-        datetime.datetime(y, mo, d, h, mi, min(s, 59))
-    except ValueError:
-        raise FormatError(f"{what}: modtime {text!r} is not a valid date") from None
-    secs = calendar.timegm((y, mo, d, h, mi, s, 0, 0, 0))
-    if m.group(9):
-        offset = (int(m.group(10)) * 60 + int(m.group(11))) * 60
-        secs -= offset if m.group(9) == "+" else -offset
-    frac = int((m.group(7) or "0").ljust(9, "0"))
-    return secs * 1_000_000_000 + frac
 
 
-def _xattrs(raw: Mapping[str, Any], what: str) -> Mapping[str, bytes]:
-    v = raw.get("xattrs")
-    if v is None:
-        return MappingProxyType({})
-    if not isinstance(v, dict):
-        raise FormatError(f"{what}: xattrs is {type(v).__name__}, expected an object")
-    out: dict[str, bytes] = {}
-    for k, b64 in v.items():
-        if not k or "\x00" in k or not isinstance(b64, str):
-            raise FormatError(f"{what}: bad xattr {k!r}")
-        try:
-            out[k] = binascii.a2b_base64(b64.encode("ascii"), strict_mode=True)
-        except (binascii.Error, UnicodeEncodeError):
-            raise FormatError(f"{what}: xattr {k!r} value is not base64") from None
-    return MappingProxyType(out)
 
 
 @dataclass
@@ -328,21 +273,21 @@ class _Pending:
 
 
 def _raw_chunk(raw: Mapping[str, Any], what: str) -> _RawChunk:
-    ctype = _str(raw, "chunkType", what)
+    ctype = str_field(raw, "chunkType", what)
     if ctype not in ("", "zeros"):
         raise FormatError(f"{what}: unknown chunkType {ctype!r}")
     return _RawChunk(
-        file_offset=_int(raw, "chunkOffset", what),
-        size=_int(raw, "chunkSize", what),
-        blob_offset=_int(raw, "offset", what),
-        inner_offset=_int(raw, "innerOffset", what),
-        digest=_digest(raw, "chunkDigest", what),
+        file_offset=int_field(raw, "chunkOffset", what),
+        size=int_field(raw, "chunkSize", what),
+        blob_offset=int_field(raw, "offset", what),
+        inner_offset=int_field(raw, "innerOffset", what),
+        digest=digest_field(raw, "chunkDigest", what),
         zeros=ctype == "zeros",
     )
 
 
 def _entry(raw: Mapping[str, Any], type_: EntryType, name: str, what: str) -> Entry:
-    link = _str(raw, "linkName", what)
+    link = str_field(raw, "linkName", what)
     if type_ is EntryType.HARDLINK:
         link = normalize_name(link, allow_root=False)
     elif type_ is EntryType.SYMLINK:
@@ -352,14 +297,14 @@ def _entry(raw: Mapping[str, Any], type_: EntryType, name: str, what: str) -> En
         link = ""
     dev = type_ in (EntryType.CHAR, EntryType.BLOCK)
     return Entry(
-        name=name, type=type_, mode=_int(raw, "mode", what) & 0o7777,
-        uid=_int(raw, "uid", what, hi=_MAX_ID), gid=_int(raw, "gid", what, hi=_MAX_ID),
-        mtime_ns=_mtime_ns(raw, what), size=_int(raw, "size", what) if type_ is EntryType.REG else 0,
+        name=name, type=type_, mode=int_field(raw, "mode", what) & 0o7777,
+        uid=int_field(raw, "uid", what, hi=_MAX_ID), gid=int_field(raw, "gid", what, hi=_MAX_ID),
+        mtime_ns=mtime_ns_field(raw, what), size=int_field(raw, "size", what) if type_ is EntryType.REG else 0,
         link_target=link,
-        dev_major=_int(raw, "devMajor", what, hi=_MAX_ID) if dev else 0,
-        dev_minor=_int(raw, "devMinor", what, hi=_MAX_ID) if dev else 0,
-        xattrs=_xattrs(raw, what),
-        digest=_digest(raw, "digest", what) if type_ is EntryType.REG else None,
+        dev_major=int_field(raw, "devMajor", what, hi=_MAX_ID) if dev else 0,
+        dev_minor=int_field(raw, "devMinor", what, hi=_MAX_ID) if dev else 0,
+        xattrs=xattrs_field(raw, what),
+        digest=digest_field(raw, "digest", what) if type_ is EntryType.REG else None,
     )
 
 
@@ -432,11 +377,11 @@ def index_from_toc(raws: Sequence[Any], *, data_end: int, what: str) -> tuple[li
         ewhat = f"{what}, entry {i}"
         if not isinstance(raw, dict):
             raise FormatError(f"{ewhat}: not an object")
-        kind = _str(raw, "type", ewhat)
+        kind = str_field(raw, "type", ewhat)
         if kind == "chunk":
             if last_reg is None or last_reg.entry.size == 0:
                 raise FormatError(f"{ewhat}: chunk entry does not follow a non-empty regular file")
-            cname = _str(raw, "name", ewhat)
+            cname = str_field(raw, "name", ewhat)
             if cname and normalize_name(cname) != last_reg.entry.name:
                 raise FormatError(f"{ewhat}: chunk of {cname!r} follows file {last_reg.entry.name!r}")
             rc = _raw_chunk(raw, ewhat)
@@ -446,7 +391,7 @@ def index_from_toc(raws: Sequence[Any], *, data_end: int, what: str) -> tuple[li
         if kind not in _TYPES:
             raise FormatError(f"{ewhat}: unknown entry type {kind!r}")
         type_ = _TYPES[kind]
-        name = normalize_name(_str(raw, "name", ewhat))
+        name = normalize_name(str_field(raw, "name", ewhat))
         ewhat = f"{what}, entry {name!r}"
         if name in by_name:
             raise FormatError(f"{ewhat}: listed twice")
@@ -463,7 +408,7 @@ def index_from_toc(raws: Sequence[Any], *, data_end: int, what: str) -> tuple[li
                 if rc.file_offset != 0:
                     raise FormatError(f"{ewhat}: first chunk starts at file offset {rc.file_offset}")
                 p.chunks.append(rc)
-                p.end_offset = _int(raw, "endOffset", ewhat)
+                p.end_offset = int_field(raw, "endOffset", ewhat)
                 offsets.add(rc.blob_offset)
                 if p.end_offset:
                     offsets.add(p.end_offset)

@@ -1,0 +1,93 @@
+"""Typed field readers for JSON TOC entries (eStargz's JTOC, and zstd:chunked's, which extends it).
+Pure. Each raises FormatError naming `what` (the layer and entry) and the field.
+"""
+
+from __future__ import annotations
+
+import binascii
+import calendar
+import datetime
+import re
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from snapshotter.errors import FormatError
+
+MAX_INT = (1 << 63) - 1
+DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
+_TIME_RE = re.compile(
+    r"(\d{4})-(\d{2})-(\d{2})[Tt](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?(?:([Zz])|([+-])(\d{2}):(\d{2}))"
+)
+
+
+def int_field(raw: Mapping[str, Any], key: str, what: str, *, hi: int = MAX_INT) -> int:
+    """A non-negative integer field (absent or null: 0) no larger than `hi`."""
+    v = raw.get(key, 0)
+    if v is None:
+        return 0
+    if type(v) is not int or not 0 <= v <= hi:
+        raise FormatError(f"{what}: field {key!r} is {v!r}, expected an integer in [0, {hi}]")
+    return v
+
+
+def str_field(raw: Mapping[str, Any], key: str, what: str) -> str:
+    """A string field without NUL bytes (absent or null: "")."""
+    v = raw.get(key, "")
+    if v is None:
+        return ""
+    if not isinstance(v, str):
+        raise FormatError(f"{what}: field {key!r} is {type(v).__name__}, expected a string")
+    if "\x00" in v:
+        raise FormatError(f"{what}: field {key!r} contains a NUL byte")
+    return v
+
+
+def digest_field(raw: Mapping[str, Any], key: str, what: str) -> str | None:
+    """A "sha256:<64 lowercase hex>" field, or None when absent/empty."""
+    v = str_field(raw, key, what)
+    if not v:
+        return None
+    if not DIGEST_RE.fullmatch(v):
+        raise FormatError(f"{what}: {key} {v!r} is not 'sha256:<64 lowercase hex>'")
+    return v
+
+
+def mtime_ns_field(raw: Mapping[str, Any], what: str) -> int:
+    """"modtime" as RFC 3339 (eStargz: whole seconds; containers/storage: RFC3339Nano) -> ns since
+    the epoch; absent: 0."""
+    text = str_field(raw, "modtime", what)
+    if not text:
+        return 0
+    m = _TIME_RE.fullmatch(text)
+    if not m:
+        raise FormatError(f"{what}: modtime {text!r} is not RFC 3339")
+    y, mo, d, h, mi, s = (int(g) for g in m.group(1, 2, 3, 4, 5, 6))
+    try:
+        datetime.datetime(y, mo, d, h, mi, min(s, 59))
+    except ValueError:
+        raise FormatError(f"{what}: modtime {text!r} is not a valid date") from None
+    secs = calendar.timegm((y, mo, d, h, mi, s, 0, 0, 0))
+    if m.group(9):
+        offset = (int(m.group(10)) * 60 + int(m.group(11))) * 60
+        secs -= offset if m.group(9) == "+" else -offset
+    frac = int((m.group(7) or "0").ljust(9, "0"))
+    return secs * 1_000_000_000 + frac
+
+
+def xattrs_field(raw: Mapping[str, Any], what: str) -> Mapping[str, bytes]:
+    """"xattrs": name -> base64 value (Go's []byte in JSON)."""
+    v = raw.get("xattrs")
+    if v is None:
+        return MappingProxyType({})
+    if not isinstance(v, dict):
+        raise FormatError(f"{what}: xattrs is {type(v).__name__}, expected an object")
+    out: dict[str, bytes] = {}
+    for k, b64 in v.items():
+        if not k or "\x00" in k or not isinstance(b64, str):
+            raise FormatError(f"{what}: bad xattr {k!r}")
+        try:
+            out[k] = binascii.a2b_base64(b64.encode("ascii"), strict_mode=True)
+        except (binascii.Error, UnicodeEncodeError):
+            raise FormatError(f"{what}: xattr {k!r} value is not base64") from None
+    return MappingProxyType(out)
