@@ -68,6 +68,24 @@ def prepare_socket_path(path: Path) -> None:
     log.info("event=stale_socket_removed path=%s", path)
 
 
+def repair_cache(cache_dir: Path, max_bytes: int) -> None:
+    """Reconcile the chunk cache with its index after a crash (temp files of dead writers, files
+    without rows, rows without files). Runs once at start, off the start-up path."""
+    if not cache_dir.exists():
+        return
+    try:
+        cache = ChunkCache(cache_dir, max_bytes)
+        try:
+            report = cache.repair()
+        finally:
+            cache.close()
+    except Exception as exc:  # a broken cache must not stop the daemon; reads refetch
+        log.warning("event=cache_repair_failed dir=%s error=%r", cache_dir, str(exc))
+        return
+    log.info("event=cache_repair temp_files=%d orphan_files=%d missing_files=%d", report.temp_files,
+             report.orphan_files, report.missing_files)
+
+
 def notify_systemd(message: str) -> None:
     """sd_notify(3) without libsystemd: a datagram to $NOTIFY_SOCKET, if set."""
     target = os.environ.get("NOTIFY_SOCKET")
@@ -125,6 +143,8 @@ class Daemon:
         backend = self.backend = RemoteBackend(self.snapshotter, self.config, self.mounter)
         # Adopt surviving mount processes (and clear stale mounts) off the start-up path.
         threading.Thread(target=self.mounter.adopt, name="adopt-mounts", daemon=True).start()
+        threading.Thread(target=repair_cache, args=(root / "cache", self.config.cache.max_bytes),
+                         name="repair-cache", daemon=True).start()
         # Report mount processes that die (they are replaced on their image's next use).
         self._watch_stop.clear()
         threading.Thread(target=self.mounter.watch, args=(self._watch_stop,), name="watch-mounts",

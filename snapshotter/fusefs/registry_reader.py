@@ -20,14 +20,7 @@ from snapshotter.fusefs.ops import LayerReader
 from snapshotter.fusefs.process import LayerSpec, ReaderEnv
 from snapshotter.reader import ReaderConfig, RegistryRangeSource, open_layer_reader
 from snapshotter.remote.settings import fetch_config_from
-
-
-def blob_digests(index: LayerIndex, layer_digest: str) -> list[str]:
-    """Registry digests of the index's blobs: eStargz/zstd:chunked name the layer itself; Nydus
-    names blob ids (the hex sha256 of each blob layer)."""
-    if not index.blobs:
-        return [layer_digest]
-    return [b if ":" in b else f"sha256:{b}" for b in index.blobs]
+from snapshotter.remote.store import blob_digests
 
 
 async def _shared(env: ReaderEnv) -> tuple[Config, RegistryClient, ChunkCache]:

@@ -24,6 +24,7 @@ from typing import Protocol
 import trio
 
 from snapshotter import metrics
+from snapshotter.cache import ChunkCache
 from snapshotter.config import Config
 from snapshotter.errors import (
     AlreadyExists,
@@ -36,6 +37,7 @@ from snapshotter.errors import (
 from snapshotter.fetch.auth import AuthError
 from snapshotter.fetch.client import RegistryClient
 from snapshotter.fetch.reference import parse_reference
+from snapshotter.reader import chunk_key
 from snapshotter.remote.labels import (
     REMOTE_LABEL,
     TARGET_SNAPSHOT_REF,
@@ -44,7 +46,7 @@ from snapshotter.remote.labels import (
 )
 from snapshotter.remote.resolver import NotLazy, resolve_layer
 from snapshotter.remote.settings import fetch_config_from
-from snapshotter.remote.store import LayerMeta, LayerStore
+from snapshotter.remote.store import LayerMeta, LayerStore, blob_digests
 from snapshotter.snapshots.model import Info, Mount, Snapshot, Usage
 from snapshotter.snapshots.service import Snapshotter
 
@@ -267,4 +269,39 @@ class RemoteBackend:
 
     def cleanup(self) -> list[str]:
         self._release_unused()
-        return self.sn.cleanup()
+        removed = self.sn.cleanup()
+        self.collect_garbage()
+        return removed
+
+    def collect_garbage(self) -> None:
+        """Drop what no remote snapshot references any more: persisted layer indexes and cached
+        chunks (unpinned ones; a live mount pins what it is prefetching). Runs on Cleanup."""
+        referenced_layers: set[str] = set()
+        keys: set[str] = set()
+        for info in self.sn.walk([]):
+            ref = layer_ref_from_labels(info.labels) if REMOTE_LABEL in info.labels else None
+            if ref is None or ref.layer_digest in referenced_layers:
+                continue
+            referenced_layers.add(ref.layer_digest)
+            try:
+                index = self.layers.load(ref.layer_digest)
+            except (OSError, FormatError) as exc:
+                log.warning("event=cache_gc_skipped layer=%s error=%r", ref.layer_digest, str(exc))
+                return  # never drop chunks of a layer we could not read the index of
+            blobs = blob_digests(index, ref.layer_digest)
+            keys.update(chunk_key(c, blobs) for e in index.regular_files() for c in e.chunks)
+        dropped_layers = self.layers.remove_unreferenced(referenced_layers)
+        cache_dir = self.sn.root / "cache"
+        if not cache_dir.exists():
+            return
+        try:
+            cache = ChunkCache(cache_dir, self.config.cache.max_bytes)
+            try:
+                removed = cache.gc(keys)
+            finally:
+                cache.close()
+        except Exception as exc:  # e.g. disk full: Cleanup's own work is done; the next one retries
+            log.warning("event=cache_gc_failed dir=%s error=%r", cache_dir, str(exc))
+            return
+        log.info("event=cache_gc chunks_removed=%d bytes_removed=%d layers_removed=%d", removed.chunks,
+                 removed.bytes, len(dropped_layers))

@@ -13,12 +13,21 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from snapshotter.formats.index import LayerIndex
 from snapshotter.formats.index_codec import dump_index, load_index
+
+
+def blob_digests(index: LayerIndex, layer_digest: str) -> list[str]:
+    """Registry digests of the index's blobs: eStargz/zstd:chunked name the layer itself; Nydus
+    names blob ids (the hex sha256 of each blob layer)."""
+    if not index.blobs:
+        return [layer_digest]
+    return [b if ":" in b else f"sha256:{b}" for b in index.blobs]
 
 
 @dataclass(frozen=True)
@@ -95,3 +104,19 @@ class LayerStore:
             (self.layer_dir(layer_digest) / "fallback.json").unlink(missing_ok=True)
         except ValueError:
             pass
+
+    def remove_unreferenced(self, layer_digests: set[str]) -> list[str]:
+        """Delete the persisted indexes of layers not in `layer_digests`; return their digests.
+        A fallback record stays (status reports it for the locally unpacked layer)."""
+        keep = {self.layer_dir(d).name for d in layer_digests}
+        removed = []
+        for d in sorted(self.root.iterdir()):
+            if not d.is_dir() or d.name in keep or len(d.name) != 64:
+                continue
+            if (d / "fallback.json").exists():
+                for name in ("meta.json", "index.json"):  # meta first: without it the index is ignored
+                    (d / name).unlink(missing_ok=True)
+            else:
+                shutil.rmtree(d, ignore_errors=True)
+            removed.append(f"sha256:{d.name}")
+        return removed

@@ -190,3 +190,45 @@ def test_lowers_interleave_remote_runs_with_local_layers(registry: RegistryProce
     assert mounter.bare[top] == (0,), "the bottom run has nothing below it"
     be.remove("ctr")
     assert mounter.released == [unpack_mount, top]
+
+
+def test_cleanup_collects_chunks_and_indexes_no_snapshot_references(
+        registry: RegistryProcess, backend: tuple[RemoteBackend, FakeMounter]) -> None:
+    from snapshotter.cache import ChunkCache
+    from snapshotter.reader import chunk_key
+    from snapshotter.remote.store import blob_digests
+
+    be, _ = backend
+    blob, _toc = _estargz({"kept": b"k" * 5000})
+    image = push_image(registry.url, "lazy/gc", "v1", [blob])
+    (digest,) = image.layers
+    with pytest.raises(AlreadyExists):
+        be.prepare("k1", "", _labels(image.ref, digest, "sha256:gc-chain"))
+    index = be.layers.load(digest)
+    (kept_chunk,) = index["kept"].chunks
+    kept_key = chunk_key(kept_chunk, blob_digests(index, digest))
+    stale_key = "sha256:" + "5" * 64
+    cache = ChunkCache(be.sn.root / "cache", 1 << 20)
+    cache.put(kept_key, b"k" * 5000)
+    cache.put(stale_key, b"stale")
+    cache.close()
+    (be.layers.root / ("6" * 64)).mkdir()  # a layer index nothing refers to any more
+
+    be.cleanup()
+
+    cache = ChunkCache(be.sn.root / "cache", 1 << 20)
+    try:
+        assert cache.contains(kept_key) and not cache.contains(stale_key)
+    finally:
+        cache.close()
+    assert not (be.layers.root / ("6" * 64)).exists()
+    assert be.layers.meta(digest) is not None
+
+    be.remove("sha256:gc-chain")
+    be.cleanup()
+    cache = ChunkCache(be.sn.root / "cache", 1 << 20)
+    try:
+        assert not cache.contains(kept_key), "the image is gone: its chunks go too"
+    finally:
+        cache.close()
+    assert be.layers.meta(digest) is None
