@@ -77,6 +77,12 @@ def fetch_cause(cause: str) -> Iterator[None]:
 _SEQ_SLACK = 256 << 10
 
 
+def describe_source(source: object, blob: int) -> str:
+    """Where a RangeSource reads from, for log lines: "REGISTRY/REPOSITORY" for the registry."""
+    repo = getattr(source, "repo", None)
+    return str(repo) if repo else type(source).__name__
+
+
 def chunk_key(chunk: Chunk, blobs: Sequence[str]) -> str:
     """The cache key of a chunk: its digest (lowercased), or, for formats that record none, its
     position in its blob (`blobs[chunk.blob_index]`, as in `LayerIndex.blobs`).
@@ -459,7 +465,9 @@ class LayerReader:
                 continue
             # Corrupt in transit or at rest: one more try with a fresh request for this chunk.
             self.stats.refetches += 1
-            log.warning("chunk %s: %s; fetching it again", key, result)
+            log.warning("event=chunk_corrupt source=%s blob=%s range=%d+%d chunk=%s error=%r; fetching it again",
+                        describe_source(self.source, blob), self.blobs[blob] if blob < len(self.blobs) else blob,
+                        c.blob_offset, c.blob_size, key, str(result))
             try:
                 again = await self._fetch(blob, c.blob_offset, c.blob_size)
                 plain = await trio.to_thread.run_sync(self._decode, key, c, again)

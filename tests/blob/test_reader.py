@@ -159,7 +159,8 @@ def test_single_flight_without_cache(blob: BuiltBlob) -> None:
     assert len(source.calls) == 1  # three adjacent chunks, one merged request, shared by all 20
 
 
-def test_corrupt_source_refetches_once_then_digest_mismatch(blob: BuiltBlob, tmp_path: Path) -> None:
+def test_corrupt_source_refetches_once_then_digest_mismatch(blob: BuiltBlob, tmp_path: Path,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
     cache = ChunkCache(tmp_path, 1 << 30)
     source = CountingSource([blob.path])
     entry = blob.entries["small"]
@@ -173,6 +174,9 @@ def test_corrupt_source_refetches_once_then_digest_mismatch(blob: BuiltBlob, tmp
         trio.run(read)
     assert len(source.calls) == 2
     assert cache.usage().chunks == 0 and cache.get(entry.chunks[0].digest or "") is None
+    (line,) = [r.getMessage() for r in caplog.records if "event=chunk_corrupt" in r.getMessage()]
+    chunk = entry.chunks[0]
+    assert f"blob={LAYER}" in line and f"range={chunk.blob_offset}+{chunk.blob_size}" in line
 
     # Corrupt once only: the refetch heals it, and only good bytes are cached.
     source.calls.clear()
