@@ -405,15 +405,42 @@ class Lab:
         )
 
     # ---- our daemon ---------------------------------------------------------------------------
-    def restart_daemon(self, sig: int = signal.SIGKILL) -> None:
+    def restart_daemon(self, sig: int = signal.SIGKILL, *, wipe_root: bool = False) -> None:
         """Stop our daemon with `sig` (SIGKILL: a crash; its mount processes live on), then start it
-        again on the same root and socket."""
+        again on the same socket and wait until containerd reaches it.
+
+        wipe_root: also stop its mount processes and start on an empty root (cache, indexes,
+        metadata gone); only sensible when containerd holds no snapshot of ours.
+        """
         for proc in [p for p in self.procs if p.name == "snapshotter"]:
             if proc.popen.poll() is None:
                 proc.popen.send_signal(sig)
                 proc.popen.wait(timeout=STOP_GRACE_S * 4)
             self.procs.remove(proc)
+        if wipe_root:
+            root = self.snapshotter_root
+            stop_pids(pids_mentioning(str(root) + "/", exclude={os.getpid()}))
+            for mp in mounts_under(root):
+                subprocess.run(["umount", "-l", mp], capture_output=True, timeout=30)
+            if mounts_under(root):
+                raise LabError(f"mounts left under {root}: {mounts_under(root)}")
+            shutil.rmtree(root, ignore_errors=True)
         self._start_daemon()
+        self.wait_daemon_reachable()
+
+    def wait_daemon_reachable(self, timeout: float = 30.0) -> None:
+        """Until containerd reaches our daemon: a probe Prepare goes through. containerd's gRPC
+        client backs off after losing the plugin's socket, and `ctr snapshots ls` proves nothing
+        (containerd answers it from its own metadata)."""
+        def probe() -> bool:
+            key = f"reach-probe-{time.monotonic_ns()}"
+            if self.ctr("snapshots", "--snapshotter", PROXY_NAME, "prepare", key, check=False,
+                        timeout=10).returncode != 0:
+                return False
+            self.ctr("snapshots", "--snapshotter", PROXY_NAME, "rm", key, check=False, timeout=10)
+            return True
+
+        wait_until("containerd to reach the restarted daemon", probe, timeout, interval=0.2)
 
     def daemon_log(self) -> str:
         return "".join(p.read_text(errors="replace") for p in sorted(self.logs_dir.glob("snapshotter*.log")))

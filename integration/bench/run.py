@@ -48,7 +48,6 @@ import datetime
 import os
 import re
 import shlex
-import shutil
 import signal
 import statistics
 import subprocess
@@ -62,7 +61,7 @@ from pathlib import Path
 from types import FrameType
 
 from integration.bench.images import DEFAULT_CACHE, BuildError, ImageCache
-from integration.lab import Lab, LabError, mounts_under, pids_mentioning, stop_pids, wait_until
+from integration.lab import Lab, LabError, stop_pids, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BASELINE = "overlayfs"
@@ -287,32 +286,9 @@ def cold_reset(lab: Lab) -> None:
 
 
 def fresh_daemon(lab: Lab) -> None:
-    """Stop our daemon and its mount processes, wipe its root (cache, indexes, metadata; containerd
-    holds no lazy snapshot at this point), start it again."""
-    for proc in [p for p in lab.procs if p.name == "snapshotter"]:
-        stop_pids([proc.pid])
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.popen.wait(timeout=5)
-        lab.procs.remove(proc)
-    root = lab.snapshotter_root
-    stop_pids(pids_mentioning(str(root) + "/", exclude={os.getpid()}), grace=5)
-    for mp in mounts_under(root):
-        subprocess.run(["umount", "-l", mp], capture_output=True, timeout=30)
-    if mounts_under(root):
-        raise BenchError(f"mounts left under {root}: {mounts_under(root)}")
-    shutil.rmtree(root, ignore_errors=True)
-    lab._start_daemon()
-    # containerd keeps one gRPC connection to the plugin; the first call after a restart can fail
-    # with "connection closed" while it reconnects. Reconnect now, outside the timed part, with a
-    # call that reaches the plugin (`snapshots ls` is answered from containerd's own metadata).
-    def reconnected() -> bool:
-        key = f"bench-warmup-{uuid.uuid4().hex[:8]}"
-        if lab.ctr("snapshots", "--snapshotter", "lazy", "prepare", key, check=False, timeout=10).returncode != 0:
-            return False
-        lab.ctr("snapshots", "--snapshotter", "lazy", "rm", key, timeout=10)
-        return True
-
-    wait_until("containerd to reconnect to the restarted daemon", reconnected, 30, interval=0.1)
+    """Our daemon again on an empty root (cache, indexes, metadata; containerd holds no lazy
+    snapshot at this point), reachable by containerd before the clock starts."""
+    lab.restart_daemon(signal.SIGTERM, wipe_root=True)
 
 
 def _pid_of(lab: Lab, name: str) -> int:

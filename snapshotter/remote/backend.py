@@ -42,6 +42,7 @@ from snapshotter.remote.labels import (
     REMOTE_LABEL,
     TARGET_SNAPSHOT_REF,
     LayerRef,
+    claimed_layer,
     layer_ref_from_labels,
 )
 from snapshotter.remote.resolver import NotLazy, resolve_layer
@@ -138,8 +139,6 @@ class RemoteBackend:
     def _try_remote(self, target: str, parent: str, labels: Mapping[str, str]) -> bool:
         """True when the layer is now a committed remote snapshot named `target`."""
         start = time.monotonic()
-        image = labels.get("containerd.io/snapshot/cri.image-ref") or labels.get(
-            "containerd.io/snapshot/remote/stargz.reference", "")
         try:
             ref = layer_ref_from_labels(labels)
             if ref is None:
@@ -148,8 +147,7 @@ class RemoteBackend:
         except Exception as exc:  # every failure of a lazy layer is a fallback, never a failed pull
             seconds = time.monotonic() - start
             reason = fallback_reason(exc)
-            layer = labels.get("containerd.io/snapshot/cri.layer-digest") or labels.get(
-                "containerd.io/snapshot/remote/stargz.digest", "")
+            image, layer = claimed_layer(labels)
             log.warning("event=fallback image=%s layer=%s reason=%s seconds=%.3f error=%r",
                         image, layer, reason, seconds, str(exc))
             metrics.FALLBACKS.labels(reason).inc()

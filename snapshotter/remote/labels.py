@@ -58,6 +58,14 @@ def _digest(value: str, label: str) -> str:
     return value
 
 
+def claimed_layer(labels: Mapping[str, str]) -> tuple[str, str]:
+    """(image reference, layer digest) as the labels state them, unvalidated ("" when absent):
+    for log lines about a layer whose labels may be the very thing that is wrong."""
+    image = labels.get(CRI_IMAGE_REF) or labels.get(STARGZ_REFERENCE, "")
+    layer = labels.get(CRI_LAYER_DIGEST) or labels.get(STARGZ_DIGEST, "")
+    return image, layer
+
+
 def layer_ref_from_labels(labels: Mapping[str, str]) -> LayerRef | None:
     """The layer the labels describe, or None when they carry no remote-snapshot information.
 

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 
-from integration.lab import Lab, LabError, mounts_under, pids_mentioning, wait_until
+from integration.lab import Lab, LabError, mounts_under, pids_mentioning
 from tests.faults.proxy import FaultProxy
 
 settings.register_profile("long", max_examples=20_000, deadline=None,
@@ -106,26 +106,11 @@ class FaultLab:
         return r.returncode, r.stdout + r.stderr
 
     def restart_daemon(self, sig: int = signal.SIGKILL) -> None:
-        """Kill (default SIGKILL) and start the daemon, then wait until containerd reaches it again
-        (containerd's gRPC client backs off after losing the proxy plugin's socket)."""
+        """Kill (default SIGKILL) and start the daemon; returns once containerd reaches it again."""
         self.lab.restart_daemon(sig)
-        self.wait_reachable()
 
     def wait_reachable(self) -> None:
-        """Until containerd reaches the daemon: a probe Prepare goes through (`ctr snapshots ls`
-        does not tell: containerd lists its own metadata)."""
-        n = [0]
-
-        def probe() -> bool:
-            n[0] += 1
-            key = f"reach-probe-{os.getpid()}-{time.monotonic_ns()}-{n[0]}"
-            ok = self.lab.ctr("snapshots", "--snapshotter", "lazy", "prepare", key, check=False,
-                              timeout=10).returncode == 0
-            if ok:
-                self.lab.ctr("snapshots", "--snapshotter", "lazy", "rm", key, check=False, timeout=10)
-            return ok
-
-        wait_until("containerd to reach the restarted daemon", probe, 30, interval=0.3)
+        self.lab.wait_daemon_reachable()
 
     def daemon_log(self) -> str:
         return self.lab.daemon_log()
