@@ -19,12 +19,11 @@ import io
 import json
 import os
 import shutil
-import signal
 import stat
 import struct
 import subprocess
 import tarfile
-import time
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ import pytest
 
 from snapshotter.formats import estargz
 from snapshotter.formats.index import NO_PREFETCH_LANDMARK, PREFETCH_LANDMARK, Landmark
+from tests.containerd_helper import Containerd, start_containerd
 from tests.formats import corpus
 from tests.formats.test_estargz import chunk_reader, gunzip_to, open_blob, skip_landmarks, write_blob
 
@@ -150,76 +150,17 @@ func main() {
 GOCODE = Path("/usr/share/gocode")
 
 
-@dataclass
-class Containerd:
-    sock: Path
-    root: Path
-    pid: int
-
-    def ctr(self, *args: str, tool: str = "ctr", timeout: float = 120) -> str:
-        proc = subprocess.run([tool, "-a", str(self.sock), "-n", NS, *args], capture_output=True,
-                              text=True, timeout=timeout)
-        assert proc.returncode == 0, f"{tool} {' '.join(args)} failed: {proc.stderr}"
-        return proc.stdout
-
-    def blob(self, digest: str) -> Path:
-        algo, hexpart = digest.split(":")
-        return self.root / "io.containerd.content.v1.content" / "blobs" / algo / hexpart
-
-    def manifest(self, ref: str) -> dict[str, Any]:
-        for line in self.ctr("images", "ls").splitlines()[1:]:
-            cols = line.split()
-            if cols and cols[0] == ref:
-                doc: dict[str, Any] = json.loads(self.blob(cols[2]).read_bytes())
-                return doc
-        raise AssertionError(f"image {ref} not in containerd")
-
-
 @pytest.fixture(scope="module")
-def containerd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Containerd]:
-    for tool in ("containerd", "ctr", "ctr-remote"):
-        assert shutil.which(tool), f"{tool} is not installed (Debian packages containerd, stargz-snapshotter)"
-    d = tmp_path_factory.mktemp("ctd")
-    config = d / "config.toml"
-    config.write_text(f"""version = 2
-root = "{d}/root"
-state = "{d}/state"
-disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.snapshotter.v1.btrfs",
-  "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper",
-  "io.containerd.snapshotter.v1.aufs"]
-[grpc]
-  address = "{d}/c.sock"
-[ttrpc]
-  address = "{d}/c.ttrpc.sock"
-[debug]
-  address = ""
-[metrics]
-  address = ""
-[plugins."io.containerd.internal.v1.opt"]
-  path = "{d}/opt"
-""")
-    log = (d / "containerd.log").open("wb")
-    proc = subprocess.Popen(["containerd", "--config", str(config)], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    ctd = Containerd(sock=d / "c.sock", root=d / "root", pid=proc.pid)
+def containerd() -> Iterator[Containerd]:
+    # Unix socket paths are limited to 108 bytes; pytest's tmp dirs can be longer.
+    d = Path(tempfile.mkdtemp(prefix="esgz-ctd-", dir="/tmp"))
+    ctd = start_containerd(d)
+    ctd.ns = NS
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            ok = subprocess.run(["ctr", "-a", str(ctd.sock), "version"], capture_output=True, timeout=10)
-            if ok.returncode == 0:
-                break
-            assert proc.poll() is None, f"containerd exited: {(d / 'containerd.log').read_text()[-2000:]}"
-            assert time.monotonic() < deadline, "containerd did not answer within 30 s"
-            time.sleep(0.2)
         yield ctd
     finally:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=15)
-        log.close()
+        ctd.stop()
+        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,6 @@ import io
 import json
 import os
 import shutil
-import signal
 import struct
 import subprocess
 import sys
@@ -46,6 +45,7 @@ from snapshotter.errors import DigestMismatch, FormatError, LimitExceeded
 from snapshotter.formats import zstdchunked as zc
 from snapshotter.formats.codec import decompress_chunk
 from snapshotter.formats.index import EntryType, Landmark, LayerIndex
+from tests.containerd_helper import Containerd, start_containerd
 from tests.formats.corpus import index_tree, tar_tree, write_corpus_tar
 
 MAX_TOC = 1 << 20
@@ -252,82 +252,16 @@ def test_writer_rejects_bad_tar() -> None:
 # containerd + ctr-remote interop
 
 
-def _free_dir() -> Path:
-    # Unix socket paths are limited to 108 bytes; pytest's tmp_path can be longer.
-    return Path(tempfile.mkdtemp(prefix="zc-ctd-", dir="/tmp"))
-
-
-class Containerd:
-    def __init__(self, base: Path) -> None:
-        self.base = base
-        self.root = base / "root"
-        self.sock = str(base / "c.sock")
-        self.ns = "zstdchunked-test"
-        config = base / "config.toml"
-        disabled = ["io.containerd.grpc.v1.cri", "io.containerd.snapshotter.v1.btrfs",
-                    "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper",
-                    "io.containerd.snapshotter.v1.aufs", "io.containerd.internal.v1.tracing",
-                    "io.containerd.tracing.processor.v1.otlp"]
-        config.write_text(
-            "version = 2\n"
-            f'root = "{self.root}"\nstate = "{base / "state"}"\n'
-            f"disabled_plugins = {json.dumps(disabled)}\n"
-            f'[grpc]\n  address = "{self.sock}"\n'
-            f'[ttrpc]\n  address = "{self.sock}.ttrpc"\n'
-            '[debug]\n  address = ""\n[metrics]\n  address = ""\n'
-        )
-        self.log = open(base / "containerd.log", "wb")
-        self.proc = subprocess.Popen(["containerd", "--config", str(config)], stdout=self.log,
-                                     stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"containerd exited: {(base / 'containerd.log').read_text()[-2000:]}")
-            if os.path.exists(self.sock) and subprocess.run(
-                    ["ctr", "-a", self.sock, "version"], capture_output=True, timeout=10).returncode == 0:
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError("containerd did not come up in 30 s")
-            time.sleep(0.2)
-
-    def ctr(self, *args: str, tool: str = "ctr", timeout: float = 120) -> str:
-        proc = subprocess.run([tool, "-a", self.sock, "-n", self.ns, *args], capture_output=True,
-                              text=True, timeout=timeout)
-        assert proc.returncode == 0, f"{tool} {args}: {proc.stderr}"
-        return proc.stdout
-
-    def blob(self, digest: str) -> bytes:
-        return (self.root / "io.containerd.content.v1.content" / "blobs" / "sha256" / digest[7:]).read_bytes()
-
-    def manifest_digest(self, ref: str) -> str:
-        for line in self.ctr("images", "ls").splitlines()[1:]:
-            cols = line.split()
-            if cols and cols[0] == ref:
-                return str(cols[2])
-        raise AssertionError(f"{ref} not in containerd")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self.log.close()
-
-
 @pytest.fixture
 def containerd() -> Iterator[Containerd]:
-    base = _free_dir()
-    c = None
+    # Unix socket paths are limited to 108 bytes; pytest's tmp_path can be longer.
+    base = Path(tempfile.mkdtemp(prefix="zc-ctd-", dir="/tmp"))
+    c = start_containerd(base)
+    c.ns = "zstdchunked-test"
     try:
-        c = Containerd(base)
         yield c
     finally:
-        if c is not None:
-            c.stop()
-        subprocess.run(["umount", "-R", str(base / "root")], capture_output=True, timeout=30)
+        c.stop()
         shutil.rmtree(base, ignore_errors=True)
 
 
@@ -366,11 +300,11 @@ def test_reads_ctr_remote_zstdchunked(containerd: Containerd, small_corpus: Path
     containerd.ctr("images", "import", "--no-unpack", str(tmp_path / "image.tar"))
     containerd.ctr("image", "convert", "--zstdchunked", "--oci", "example.com/zc/src:v1",
                    "example.com/zc/src:zc", tool="ctr-remote")
-    manifest = json.loads(containerd.blob(containerd.manifest_digest("example.com/zc/src:zc")))
+    manifest = containerd.manifest("example.com/zc/src:zc")
     (desc,) = manifest["layers"]
     assert desc["mediaType"] == "application/vnd.oci.image.layer.v1.tar+zstd"
     ann = desc["annotations"]
-    blob = containerd.blob(desc["digest"])
+    blob = containerd.blob(desc["digest"]).read_bytes()
     assert len(blob) == desc["size"]
 
     pos = zc.manifest_position_from_annotations(ann)
