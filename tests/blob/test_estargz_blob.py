@@ -10,22 +10,17 @@ from pathlib import Path
 import trio
 
 from snapshotter.cache import ChunkCache
-from snapshotter.formats.estargz import parse_footer, parse_toc, toc_range, write_estargz
 from snapshotter.formats.index import EntryType, normalize_name
 from snapshotter.reader import FileRangeSource, ReaderConfig, open_layer_reader
 from tests.formats.corpus import tar_tree, write_corpus_tar
+from tests.formats.test_estargz import open_blob, write_blob
 
 
 def test_every_file_of_an_estargz_layer_reads_back(tmp_path: Path) -> None:
     tar = write_corpus_tar(tmp_path / "layer.tar", big_size=1 << 20)
     blob = tmp_path / "layer.estargz"
-    with open(tar, "rb") as src, open(blob, "wb") as dst:
-        result = write_estargz(src, dst, chunk_size=64 << 10)
-    raw = blob.read_bytes()
-    footer = parse_footer(raw[-51:])
-    off, length = toc_range(footer, len(raw))
-    index = parse_toc(raw[off:off + length], blob_size=len(raw), layer_digest=result.digest,
-                      max_toc_bytes=16 << 20, toc_offset=footer.toc_offset)
+    result = write_blob(tar, blob, chunk_size=64 << 10)
+    _footer, index = open_blob(blob, result.digest)
     assert any(len(e.chunks) > 4 for e in index.regular_files())  # the big file spans chunks
     want = tar_tree(tar)
     contents: dict[str, bytes] = {}

@@ -7,9 +7,9 @@ import os
 import subprocess
 from pathlib import Path
 
-from snapshotter.formats.estargz import parse_footer, parse_toc, toc_range, write_estargz
 from snapshotter.formats.index_codec import dump_index
 from tests.formats.corpus import write_corpus_tar
+from tests.formats.test_estargz import open_blob, write_blob
 from tests.fusefs.layers import tree_facts
 from tests.fusefs.mounting import layer_spec, mount_process
 
@@ -23,13 +23,8 @@ def _xattrs_we_compare(name: str) -> bool:
 def test_estargz_layer_mounts_as_tar_extracts(tmp_path: Path) -> None:
     tar = write_corpus_tar(tmp_path / "layer.tar", big_size=3 << 20)
     blob = tmp_path / "layer.estargz"
-    with open(tar, "rb") as src, open(blob, "wb") as dst:
-        result = write_estargz(src, dst, chunk_size=256 << 10)
-    data = blob.read_bytes()
-    footer = parse_footer(data[-51:])
-    off, length = toc_range(footer, len(data))
-    index = parse_toc(data[off:off + length], blob_size=len(data), layer_digest=result.digest,
-                      max_toc_bytes=64 << 20, toc_offset=footer.toc_offset)
+    result = write_blob(tar, blob, chunk_size=256 << 10)
+    _footer, index = open_blob(blob, result.digest)
     assert any(len(e.chunks) > 1 for e in index.regular_files())  # the big file spans chunks
     (tmp_path / "index.json").write_bytes(dump_index(index))
 
