@@ -143,6 +143,7 @@ class Daemon:
         backend = self.backend = RemoteBackend(self.snapshotter, self.config, self.mounter)
         # Adopt surviving mount processes (and clear stale mounts) off the start-up path.
         threading.Thread(target=self.mounter.adopt, name="adopt-mounts", daemon=True).start()
+        self.mounter.schedule_spare(delay=0.0)
         threading.Thread(target=repair_cache, args=(root / "cache", self.config.cache.max_bytes),
                          name="repair-cache", daemon=True).start()
         # Report mount processes that die (they are replaced on their image's next use).
@@ -176,6 +177,8 @@ class Daemon:
     def stop(self) -> None:
         notify_systemd("STOPPING=1")
         self._watch_stop.set()
+        if self.mounter is not None:
+            self.mounter.close()
         if self.admin is not None:
             self.admin.stop()
             self.admin = None

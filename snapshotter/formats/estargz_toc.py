@@ -292,18 +292,23 @@ def parse_toc(toc_member: bytes, *, blob_size: int, layer_digest: str, max_toc_b
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _build(_load_json(data, what), what, layer_digest, toc_offset, toc_digest)
+        raws = _load_json(data, what)
+        del data  # the JSON text is as big as the index; do not hold it while building
+        return _build(raws, what, layer_digest, toc_offset, toc_digest)
     finally:
         if was_enabled:
             gc.enable()
 
 
 def _build(raws: list[Any], what: str, layer_digest: str, toc_offset: int, toc_digest: str) -> LayerIndex:
+    """Builds the index from the TOC's entries, emptying `raws` as it goes (each JSON object is
+    freed once read, so the peak memory is not the JSON objects plus the index)."""
     pending: list[_Pending] = []
     by_name: dict[str, _Pending] = {}
     offsets: set[int] = set()
     last_reg: _Pending | None = None
-    for i, raw in enumerate(raws):
+    for i in range(len(raws)):
+        raw, raws[i] = raws[i], None
         ewhat = f"{what}, entry {i}"
         if not isinstance(raw, dict):
             raise FormatError(f"{ewhat}: not an object")

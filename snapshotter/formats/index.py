@@ -32,6 +32,7 @@ OPAQUE_MARKER = ".wh..wh..opq"
 PREFETCH_LANDMARK = ".prefetch.landmark"
 NO_PREFETCH_LANDMARK = ".no.prefetch.landmark"
 LANDMARK_CONTENTS = b"\x0f"
+NO_XATTRS: Mapping[str, bytes] = MappingProxyType({})  # one shared empty mapping for entries without xattrs
 
 
 class EntryType(enum.Enum):
@@ -111,7 +112,7 @@ class Entry:
     link_target: str = ""
     dev_major: int = 0
     dev_minor: int = 0
-    xattrs: Mapping[str, bytes] = field(default_factory=lambda: MappingProxyType({}))
+    xattrs: Mapping[str, bytes] = field(default_factory=lambda: NO_XATTRS)
     nlink: int = 1
     digest: str | None = None
     chunks: tuple[Chunk, ...] = ()

@@ -7,12 +7,14 @@ from __future__ import annotations
 import binascii
 import calendar
 import datetime
+import functools
 import re
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
 from snapshotter.errors import FormatError
+from snapshotter.formats.index import NO_XATTRS
 
 MAX_INT = (1 << 63) - 1
 DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
@@ -53,20 +55,16 @@ def digest_field(raw: Mapping[str, Any], key: str, what: str) -> str | None:
     return v
 
 
-def mtime_ns_field(raw: Mapping[str, Any], what: str) -> int:
-    """"modtime" as RFC 3339 (eStargz: whole seconds; containers/storage: RFC3339Nano) -> ns since
-    the epoch; absent: 0."""
-    text = str_field(raw, "modtime", what)
-    if not text:
-        return 0
+@functools.lru_cache(maxsize=4096)  # a layer's files share few distinct times (one package install)
+def _rfc3339_ns(text: str) -> int:
     m = _TIME_RE.fullmatch(text)
     if not m:
-        raise FormatError(f"{what}: modtime {text!r} is not RFC 3339")
+        raise ValueError("is not RFC 3339")
     y, mo, d, h, mi, s = (int(g) for g in m.group(1, 2, 3, 4, 5, 6))
     try:
         datetime.datetime(y, mo, d, h, mi, min(s, 59))
     except ValueError:
-        raise FormatError(f"{what}: modtime {text!r} is not a valid date") from None
+        raise ValueError("is not a valid date") from None
     secs = calendar.timegm((y, mo, d, h, mi, s, 0, 0, 0))
     if m.group(9):
         offset = (int(m.group(10)) * 60 + int(m.group(11))) * 60
@@ -75,11 +73,23 @@ def mtime_ns_field(raw: Mapping[str, Any], what: str) -> int:
     return secs * 1_000_000_000 + frac
 
 
+def mtime_ns_field(raw: Mapping[str, Any], what: str) -> int:
+    """"modtime" as RFC 3339 (eStargz: whole seconds; containers/storage: RFC3339Nano) -> ns since
+    the epoch; absent: 0."""
+    text = str_field(raw, "modtime", what)
+    if not text:
+        return 0
+    try:
+        return _rfc3339_ns(text)
+    except ValueError as exc:
+        raise FormatError(f"{what}: modtime {text!r} {exc}") from None
+
+
 def xattrs_field(raw: Mapping[str, Any], what: str) -> Mapping[str, bytes]:
     """"xattrs": name -> base64 value (Go's []byte in JSON)."""
     v = raw.get("xattrs")
-    if v is None:
-        return MappingProxyType({})
+    if v is None or v == {}:
+        return NO_XATTRS
     if not isinstance(v, dict):
         raise FormatError(f"{what}: xattrs is {type(v).__name__}, expected an object")
     out: dict[str, bytes] = {}

@@ -20,7 +20,7 @@ State file, version 1:
       "prefetch_timeout": 10.0,      # optional (else config.prefetch_timeout); see fusefs/prefetch.py
       "runs": [                      # lowest run first; each run lowest layer first
         [{"digest": "sha256:...",                         # for logs ("layer_digest" also accepted)
-          "index": "/var/lib/snapshotter/layers/<hex>/index.json",   # index_codec.dump_index output
+          "index": "/var/lib/snapshotter/layers/<hex>/index.bin",    # index_codec.dump_index output
           "reader": {"kind": "file", "blob_path": "/path/to/blob"}}]  # kind picks a ReaderFactory
       ]
     }
@@ -37,6 +37,9 @@ Record file (JSON, written atomically on SIGUSR1 and at exit): {"files": [{"path
 "name"}, ...]} in first-read order (`ops.ReadRecorder`).
 Exit status: 0 after a clean stop or an external unmount; 2 for a bad state file or index;
 1 when mounting fails.
+
+`--spare` instead of STATE_FILE: start up (imports), then wait for {"state": PATH, "log": PATH} on
+stdin and serve that state file; exit 0 at end of stdin (`await_assignment`, remote/mounts.py).
 """
 
 from __future__ import annotations
@@ -50,12 +53,13 @@ import logging
 import math
 import os
 import signal
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import pyfuse3
 import trio
@@ -395,21 +399,58 @@ async def serve(state: MountState, tree: MountTree, reader_kinds: Mapping[str, R
     return 0
 
 
+def await_assignment(stdin: BinaryIO) -> str | None:
+    """The spare's wait: one line {"state": PATH, "log": PATH} on `stdin`, or None at end of input.
+    Takes the assignment: stdout/stderr go to the log file, stdin to /dev/null, and the working
+    directory becomes the state file's directory (how the daemon recognises this process later)."""
+    line = stdin.readline()
+    if not line.strip():
+        return None
+    try:
+        doc = json.loads(line)
+        state, log_path = str(doc["state"]), doc.get("log")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"spare mount process: bad assignment {line[:200]!r}: {exc}") from None
+    if log_path:
+        fd = os.open(str(log_path), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    os.dup2(null, 0)
+    os.close(null)
+    os.chdir(os.path.dirname(os.path.abspath(state)))
+    return state
+
+
 def main(argv: Sequence[str] | None = None, *, reader_kinds: Mapping[str, ReaderFactory] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m snapshotter.fusefs", description=__doc__.split("\n")[0])
-    parser.add_argument("state_file", help="JSON state file written by the daemon")
+    parser.add_argument("state_file", nargs="?", help="JSON state file written by the daemon")
+    parser.add_argument("--spare", action="store_true",
+                        help="start up, then wait for the state file's path on stdin (see remote/mounts.py)")
     parser.add_argument("--log-level", default=os.environ.get("SNAPSHOTTER_FUSE_LOG", "INFO"))
     parser.add_argument("--log-format", choices=["text", "json"], default="text",
                         help="text (key=value) or json, as the daemon's log_format")
     args = parser.parse_args(argv)
+    if (args.state_file is None) != args.spare:
+        parser.error("give a state file, or --spare (not both)")
     from snapshotter.logs import setup_logging
 
     setup_logging(args.log_level, args.log_format)
     from snapshotter.fusefs.registry_reader import registry_reader  # the IO stack only the real mounts need
 
     kinds = {**READER_KINDS, "registry": registry_reader, **(reader_kinds or {})}
+    state_file = args.state_file
+    if args.spare:
+        try:
+            state_file = await_assignment(sys.stdin.buffer)
+        except (OSError, ConfigError) as exc:
+            log.error("%s", exc)
+            return 2
+        if state_file is None:
+            return 0  # the daemon stopped before it needed this process
     try:
-        state = parse_state(Path(args.state_file).read_bytes(), args.state_file)
+        state = parse_state(Path(state_file).read_bytes(), state_file)
         tree = load_tree(state)
     except (OSError, SnapshotterError) as exc:
         log.error("%s", exc)

@@ -7,6 +7,14 @@
     ROOT/mounts/<mount id>/ready        written by it once mounted and prefetched (or prefetch_timeout)
     ROOT/mounts/<mount id>/record.json  its first-read record, written on SIGUSR1 (`snapshotter record`)
     ROOT/mounts/<mount id>/stats.json   its counters, rewritten every second (fusefs/stats.py)
+    ROOT/mounts/spare.log               stderr of the spare mount process until it is given a mount
+
+The spare (config `spare_mount_process`): one mount process started ahead, imports done, that
+waits on its stdin for a line {"state": STATE_FILE, "log": LOG_FILE}; the next mount hands it its
+state file instead of starting a process, and a new spare is started SPARE_DELAY seconds later.
+An unassigned spare exits when its stdin closes (the daemon stopped or died). An assigned one
+changes its working directory to its mount's directory, which is how it is recognised later
+(its command line names no state file).
 
 A mount process runs in its own session (not in the daemon's process group), so a daemon
 restart or SIGKILL leaves it serving; the next daemon adopts it when its pid is alive, is a
@@ -41,6 +49,8 @@ READY_FILE = "ready"  # written by the mount process once mounted and prefetched
 RECORD_FILE = "record.json"  # its first-read record, on SIGUSR1 and at exit (`snapshotter record`)
 STATS_FILE = "stats.json"
 STOP_TIMEOUT = 5.0
+SPARE_DELAY = 2.0  # seconds after a hand-off before the next spare starts (off the container's start path)
+SPARE_LOG = "spare.log"
 WATCH_INTERVAL = 1.0  # seconds between checks of the mount processes' pids (`watch`)
 
 
@@ -70,11 +80,17 @@ def _answers(path: Path) -> bool:
 
 
 def _pid_is_mount_process(pid: int, state: Path) -> bool:
+    """True when `pid` is the mount process serving `state` (started with it, or a spare that
+    was handed it and moved into its directory)."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if b"snapshotter.fusefs" not in cmdline:
+            return False
+        if os.fsencode(state) in cmdline:
+            return True
+        return b"--spare" in cmdline and os.readlink(f"/proc/{pid}/cwd") == os.path.abspath(state.parent)
     except OSError:
         return False
-    return b"snapshotter.fusefs" in cmdline and os.fsencode(state) in cmdline
 
 
 def lazy_unmount(path: Path) -> None:
@@ -102,6 +118,10 @@ class MountManager:
         self._lock = threading.Lock()
         self._children: dict[str, subprocess.Popen[bytes]] = {}
         self._reported_dead: set[tuple[str, int]] = set()
+        self._spare_lock = threading.Lock()  # guards the three below; never held while waiting on a mount
+        self._spare: subprocess.Popen[bytes] | None = None
+        self._spare_timer: threading.Timer | None = None
+        self._closed = False
 
     def _paths(self, mount_id: str) -> tuple[Path, Path, Path, Path]:
         if not mount_id.isdigit():
@@ -159,12 +179,7 @@ class MountManager:
             tmp.write_text(json.dumps(doc, indent=1))
             os.replace(tmp, state)
             pidf.unlink(missing_ok=True)
-            with open(logf, "ab") as log_out:
-                proc = subprocess.Popen([sys.executable, "-m", "snapshotter.fusefs", str(state),
-                                         "--log-level", self.config.log_level,
-                                         "--log-format", self.config.log_format],
-                                        stdin=subprocess.DEVNULL, stdout=log_out, stderr=log_out,
-                                        start_new_session=True, close_fds=True)
+            proc = self._launch(state, logf)
             self._children[mount_id] = proc
             readyf = self.dir / mount_id / READY_FILE
             deadline = time.monotonic() + READY_TIMEOUT
@@ -189,6 +204,83 @@ class MountManager:
             proc.kill()
             raise MountError(f"mount process for image mount {mount_id} not ready within {READY_TIMEOUT}s; "
                              f"see {logf}")
+
+    def _command(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "snapshotter.fusefs", *args, "--log-level", self.config.log_level,
+                "--log-format", self.config.log_format]
+
+    def _launch(self, state: Path, logf: Path) -> subprocess.Popen[bytes]:
+        """A mount process for `state`: the spare, handed the state file, or a new process."""
+        spare = self._take_spare()
+        if spare is not None:
+            try:
+                assert spare.stdin is not None
+                spare.stdin.write(json.dumps({"state": str(state), "log": str(logf)}).encode() + b"\n")
+                spare.stdin.close()
+                self.schedule_spare()
+                return spare
+            except OSError as exc:  # it died after _take_spare looked
+                log.warning("event=spare_lost pid=%d error=%s; starting a mount process", spare.pid, exc)
+                spare.kill()
+                spare.wait(timeout=STOP_TIMEOUT)
+        with open(logf, "ab") as log_out:
+            proc = subprocess.Popen(self._command(str(state)), stdin=subprocess.DEVNULL, stdout=log_out,
+                                    stderr=log_out, start_new_session=True, close_fds=True)
+        self.schedule_spare()
+        return proc
+
+    # -- the spare ---------------------------------------------------------------------------------
+
+    def _take_spare(self) -> subprocess.Popen[bytes] | None:
+        with self._spare_lock:
+            spare, self._spare = self._spare, None
+        if spare is not None and spare.poll() is not None:
+            log.warning("event=spare_died pid=%d status=%s; see %s", spare.pid, spare.returncode,
+                        self.dir / SPARE_LOG)
+            return None
+        return spare
+
+    def schedule_spare(self, delay: float = SPARE_DELAY) -> None:
+        """Start a spare mount process after `delay` seconds, unless one is waiting (or the
+        config turns spares off, or `close` was called)."""
+        if not self.config.spare_mount_process:
+            return
+        with self._spare_lock:
+            if self._closed or (self._spare_timer is not None and self._spare_timer.is_alive()):
+                return
+            self._spare_timer = threading.Timer(delay, self._start_spare)
+            self._spare_timer.daemon = True
+            self._spare_timer.start()
+
+    def _start_spare(self) -> None:
+        with self._spare_lock:
+            if self._closed or (self._spare is not None and self._spare.poll() is None):
+                return
+            try:
+                with open(self.dir / SPARE_LOG, "ab") as log_out:
+                    self._spare = subprocess.Popen(self._command("--spare"), stdin=subprocess.PIPE, stdout=log_out,
+                                                   stderr=log_out, start_new_session=True, close_fds=True,
+                                                   cwd=self.dir)
+            except OSError as exc:
+                log.warning("event=spare_failed error=%s; mounts start their own process", exc)
+                return
+        log.debug("event=spare_started pid=%d", self._spare.pid)
+
+    def close(self) -> None:
+        """Stop the spare (closing its stdin ends it); mount processes are left serving."""
+        with self._spare_lock:
+            self._closed = True
+            if self._spare_timer is not None:
+                self._spare_timer.cancel()
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            if spare.stdin is not None:
+                spare.stdin.close()
+            try:
+                spare.wait(timeout=STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                spare.kill()
+                spare.wait(timeout=STOP_TIMEOUT)
 
     def release(self, mount_id: str) -> None:
         """Stop image `mount_id`'s mount process and remove its directory."""

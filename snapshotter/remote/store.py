@@ -1,7 +1,8 @@
 """Resolved layers persisted under the root, so mount processes and a restarted daemon need no
 registry round trip to know a layer's tree.
 
-    ROOT/layers/<sha256 hex of the layer digest>/index.json   the LayerIndex (index_codec)
+    ROOT/layers/<sha256 hex of the layer digest>/index.bin    the LayerIndex (index_codec; a root
+                                                              written by 0.1 holds index.json)
     ROOT/layers/<...>/meta.json                               format, blob size, where it came from
     ROOT/layers/<...>/fallback.json                           why the last lazy attempt fell back
 
@@ -20,6 +21,9 @@ from pathlib import Path
 
 from snapshotter.formats.index import LayerIndex
 from snapshotter.formats.index_codec import dump_index, load_index
+
+INDEX_FILE = "index.bin"
+LEGACY_INDEX_FILE = "index.json"
 
 
 def blob_digests(index: LayerIndex, layer_digest: str) -> list[str]:
@@ -64,14 +68,19 @@ class LayerStore:
         return self.root / hexpart
 
     def index_path(self, layer_digest: str) -> Path:
-        return self.layer_dir(layer_digest) / "index.json"
+        """Where the layer's index is: index.bin, or the JSON index.json an earlier release wrote
+        (`load_index` reads both)."""
+        d = self.layer_dir(layer_digest)
+        legacy = d / LEGACY_INDEX_FILE
+        return legacy if not (d / INDEX_FILE).exists() and legacy.exists() else d / INDEX_FILE
 
     def save(self, meta: LayerMeta, index: LayerIndex) -> Path:
         d = self.layer_dir(meta.layer_digest)
         d.mkdir(parents=True, exist_ok=True)
-        _write_atomic(d / "index.json", dump_index(index))
+        _write_atomic(d / INDEX_FILE, dump_index(index))
+        (d / LEGACY_INDEX_FILE).unlink(missing_ok=True)
         _write_atomic(d / "meta.json", json.dumps(asdict(meta), sort_keys=True).encode())
-        return d / "index.json"
+        return d / INDEX_FILE
 
     def meta(self, layer_digest: str) -> LayerMeta | None:
         try:
@@ -114,7 +123,7 @@ class LayerStore:
             if not d.is_dir() or d.name in keep or len(d.name) != 64:
                 continue
             if (d / "fallback.json").exists():
-                for name in ("meta.json", "index.json"):  # meta first: without it the index is ignored
+                for name in ("meta.json", INDEX_FILE, LEGACY_INDEX_FILE):  # meta first: without it the index is ignored
                     (d / name).unlink(missing_ok=True)
             else:
                 shutil.rmtree(d, ignore_errors=True)

@@ -16,7 +16,7 @@ import subprocess
 import tarfile
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -332,6 +332,69 @@ def _fuse_mounts_under(root: Path) -> list[str]:
         if fields[sep + 1].startswith("fuse") and fields[4].startswith(prefix):
             found.append(fields[4])
     return found
+
+
+def _spare_pids(mounts_dir: Path) -> list[int]:
+    """Waiting spare mount processes of this lab's daemon (started in ROOT/mounts, `--spare`)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            if b"snapshotter.fusefs" in cmdline and b"--spare" in cmdline \
+                    and os.readlink(proc / "cwd") == str(mounts_dir):
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def _wait_for(what: str, probe: Callable[[], object], timeout: float = 30.0) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = probe()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def test_the_spare_mount_process_serves_the_next_image(lab: Lab, pushed: Pushed) -> None:
+    """The process started ahead becomes the image's mount process (no Python start-up on the
+    container's path), a new spare replaces it, and a daemon SIGKILL leaves both alone: the
+    mount is adopted (recognised by its working directory) and the spare exits."""
+    ns = "spare"
+    mounts_dir = lab.snapshotter_root / "mounts"
+    spare = _wait_for("a spare mount process", lambda: _spare_pids(mounts_dir))
+    assert isinstance(spare, list) and len(spare) == 1, spare
+    lab.ctr_remote("image", "rpull", "--plain-http", "--snapshotter", "lazy", pushed.esgz_ref, namespace=ns)
+    base = ["run", "--snapshotter", "lazy", "--runc-root", str(lab.dir / "runc"), "--fifo-dir", str(lab.dir / "fifo")]
+    lab.ctr(*base, "-d", pushed.esgz_ref, "spare-keeper", "sleep", "60", namespace=ns)
+    try:
+        served = [int(p.read_text()) for p in mounts_dir.glob("*/pid")]
+        assert spare[0] in served, f"the image is served by {served}, not by the spare {spare[0]}"
+        mount_dir = next(p.parent for p in mounts_dir.glob("*/pid") if int(p.read_text()) == spare[0])
+        assert os.readlink(f"/proc/{spare[0]}/cwd") == str(mount_dir)
+        again = _wait_for("the next spare", lambda: _spare_pids(mounts_dir))
+        assert isinstance(again, list) and again != spare
+
+        log_at = len(lab.daemon_log())
+        lab.restart_daemon()  # SIGKILL
+        adopted = f"event=mount_adopted mount={mount_dir.name} pid={spare[0]}"
+        _wait_for(adopted, lambda: adopted in lab.daemon_log()[log_at:])  # adoption runs off the start-up path
+        _wait_for("the old spare to exit", lambda: not any(Path(f"/proc/{p}").exists() for p in again))
+        out = lab.ctr(*base, "--rm", pushed.esgz_ref, "spare-second", "cat", "/etc/layer3.txt", namespace=ns).stdout
+        assert out == "from layer 3\n"
+        assert int((mount_dir / "pid").read_text()) == spare[0], "the adopted mount process kept serving"
+    finally:
+        lab.ctr("tasks", "kill", "-s", "SIGKILL", "spare-keeper", namespace=ns, check=False)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and "RUNNING" in lab.ctr("tasks", "ls", namespace=ns).stdout:
+            time.sleep(0.1)
+        lab.ctr("tasks", "delete", "spare-keeper", namespace=ns, check=False)
+        lab.ctr("containers", "delete", "spare-keeper", namespace=ns, check=False)
+        lab.ctr("images", "rm", "--sync", pushed.esgz_ref, namespace=ns, check=False)
 
 
 def test_mount_process_stops_with_the_last_container(lab: Lab, pushed: Pushed) -> None:
