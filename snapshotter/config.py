@@ -65,6 +65,9 @@ class Config:
         "doc": "seconds to resolve a lazy layer before falling back"})
     fetch_timeout: float = field(default=60.0, metadata={"doc": "seconds a read waits for a chunk before EIO"})
     prefetch_timeout: float = field(default=10.0, metadata={"doc": "seconds container start waits for prefetch"})
+    mount_on_pull: bool = field(default=True, metadata={
+        "doc": "start an image's mount when its last layer is pulled lazily, before its first container asks "
+               "(stopped again when no container uses it within 60 s)"})
     spare_mount_process: bool = field(default=True, metadata={
         "doc": "keep one mount process started ahead, so an image's mount skips Python start-up (about 30 MiB "
                "while it waits)"})

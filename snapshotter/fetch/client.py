@@ -26,9 +26,11 @@ Contracts:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
+import os
 import random
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 from urllib.parse import urljoin, urlsplit
 
+import httpcore  # noqa: F401  # httpx imports it with the first client; load it with ours, not in a pull
 import httpx
 import trio
 
@@ -223,6 +226,35 @@ def _digest_of(data: bytes, algo: str) -> str | None:
     if algo not in ("sha256", "sha384", "sha512"):
         return None
     return f"{algo}:{hashlib.new(algo, data).hexdigest()}"
+
+
+def _file_key(path: object) -> tuple[str, int]:
+    """A file as a cache key: its path and modification time (a replaced CA file is reloaded)."""
+    try:
+        return str(path), os.stat(str(path)).st_mtime_ns
+    except OSError:
+        return str(path), -1  # loading it raises the error the user should see
+
+
+@functools.lru_cache(maxsize=32)
+def _tls_context(skip_verify: bool, cas: tuple[tuple[str, int], ...],
+                 client_certs: tuple[tuple[tuple[str, int], tuple[str, int] | None], ...]) -> ssl.SSLContext:
+    """One TLS context per distinct setting, shared by every client of the process: loading the
+    system CA store takes ~20 ms, and the daemon makes a client per layer it resolves."""
+    ctx = ssl.create_default_context()
+    if skip_verify:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    for ca, _mtime in cas:
+        ctx.load_verify_locations(cafile=ca)
+    for (cert, _m), key in client_certs:
+        ctx.load_cert_chain(cert, key[0] if key else None)
+    return ctx
+
+
+def warm_up() -> None:
+    """Build the default TLS context now (a spare mount process does this while it waits)."""
+    _tls_context(False, (), ())
 
 
 class RegistryClient:
@@ -548,19 +580,11 @@ class RegistryClient:
         if client is not None:
             return client
         cfg = self.config
-        verify: ssl.SSLContext | bool = True
         if host is not None and (host.skip_verify or host.ca or host.client_certs):
-            if host.skip_verify:
-                ctx = ssl.create_default_context()
-                ctx.check_hostname = False
-                ctx.verify_mode = ssl.CERT_NONE
-            else:
-                ctx = ssl.create_default_context()
-                for ca in host.ca:
-                    ctx.load_verify_locations(cafile=str(ca))
-            for cert, keyfile in host.client_certs:
-                ctx.load_cert_chain(str(cert), str(keyfile) if keyfile else None)
-            verify = ctx
+            verify = _tls_context(bool(host.skip_verify), tuple(_file_key(ca) for ca in host.ca),
+                                  tuple((_file_key(c), _file_key(k) if k else None) for c, k in host.client_certs))
+        else:
+            verify = _tls_context(False, (), ())
         timeout = httpx.Timeout(connect=cfg.connect_timeout, read=cfg.read_timeout,
                                 write=cfg.read_timeout, pool=cfg.request_timeout)
         limits = httpx.Limits(max_connections=None,

@@ -375,8 +375,13 @@ def _freeze(roots: list[_B], subtrees: bool, opaque_xattrs: Sequence[str],
         inode = inode_of[id(b)]
         if b.is_real_dir:
             names = tuple(sorted(b.children, key=os.fsencode))
-            children = {n: inode_of[id(b.children[n])] for n in names}
-            nlink = 2 + sum(1 for c in b.children.values() if c.is_real_dir)
+            children = {}
+            nlink = 2
+            for n in names:
+                c = b.children[n]
+                children[n] = inode_of[id(c)]
+                if c.type is EntryType.DIR and not c.whiteout:  # c.is_real_dir, without the call
+                    nlink += 1
             opaque = marked and b.hides_below and bool(opaque_xattrs) and path != ""
             xattrs = b.xattrs
             if opaque:

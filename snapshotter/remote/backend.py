@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -50,6 +50,8 @@ from snapshotter.remote.settings import fetch_config_from
 from snapshotter.remote.store import LayerMeta, LayerStore, blob_digests
 from snapshotter.snapshots.model import Info, Mount, Snapshot, Usage
 from snapshotter.snapshots.service import Snapshotter
+
+MOUNT_AHEAD_IDLE = 60.0  # seconds a mount started on pull waits for a container before it is stopped
 
 log = logging.getLogger(__name__)
 
@@ -159,9 +161,13 @@ class RemoteBackend:
         remote_labels = dict(labels)
         remote_labels[REMOTE_LABEL] = fmt
         try:
-            self.sn.create_remote(target, parent, remote_labels)
+            top = self.sn.create_remote(target, parent, remote_labels)
         except AlreadyExists:
-            pass  # a concurrent pull of the same image got there first: containerd will find it
+            top = None  # a concurrent pull of the same image got there first: containerd will find it
+        if top is not None and self.config.mount_on_pull and ref.image_layers == (ref.layer_digest,):
+            # The image's last layer (its layer list from here on names only itself): a container
+            # of it is likely next, so its mount starts now rather than on the container's path.
+            threading.Thread(target=self._mount_ahead, args=(top,), name="mount-ahead", daemon=True).start()
         self.layers.clear_fallback(ref.layer_digest)
         log.info("event=lazy_prepare image=%s layer=%s format=%s seconds=%.3f target=%s",
                  ref.image_ref, ref.layer_digest, fmt, seconds, target)
@@ -188,14 +194,28 @@ class RemoteBackend:
 
     def lowers(self, snap: Snapshot) -> list[str]:
         """Lower dirs for `snap`, nearest parent first, remote runs served by the image's mount."""
-        if not snap.parent_ids:
-            return []
-        infos = self.sn.infos_by_id(snap.parent_ids)
+        plan = self._plan(snap.parent_ids)
+        if plan is None:
+            return self.sn.local_lowers(snap)
+        runs, placement, bare = plan
+        with self._mount_lock:
+            mountpoint = self.mounter.ensure(snap.parent_ids[0], runs, bare_runs=bare)
+        bottom_up_dirs = [f"{mountpoint}/{where}" if kind == "run" else str(where) for kind, where in placement]
+        return list(reversed(bottom_up_dirs))
+
+    def _plan(self, parent_ids: Sequence[str]) -> tuple[list[list[RemoteLayer]], list[tuple[str, int | str]],
+                                                         tuple[int, ...]] | None:
+        """For a snapshot over `parent_ids` (nearest first): the image mount's runs of remote
+        layers, the bottom-up placement of runs and local dirs, and the bare runs; None when no
+        parent is remote."""
+        if not parent_ids:
+            return None
+        infos = self.sn.infos_by_id(parent_ids)
         remote = [REMOTE_LABEL in i.labels for i in infos]
         if not any(remote):
-            return self.sn.local_lowers(snap)
+            return None
         # Runs are numbered bottom-up: run 0 holds the lowest remote layers.
-        bottom_up = list(zip(reversed(snap.parent_ids), reversed(infos), reversed(remote), strict=True))
+        bottom_up = list(zip(reversed(parent_ids), reversed(infos), reversed(remote), strict=True))
         runs: list[list[RemoteLayer]] = []
         placement: list[tuple[str, int | str]] = []  # ("run", n) or ("dir", path), bottom-up
         previous_remote = False
@@ -211,10 +231,26 @@ class RemoteBackend:
         # A run at the very bottom deletes nothing below it: it is served without overlay markers,
         # so it is also right when containerd bind-mounts it alone (a read-only view).
         bare = (0,) if placement[0][0] == "run" else ()
-        with self._mount_lock:
-            mountpoint = self.mounter.ensure(snap.parent_ids[0], runs, bare_runs=bare)
-        bottom_up_dirs = [f"{mountpoint}/{where}" if kind == "run" else str(where) for kind, where in placement]
-        return list(reversed(bottom_up_dirs))
+        return runs, placement, bare
+
+    def _mount_ahead(self, top: Snapshot) -> None:
+        """Start the mount of the image whose top layer is `top` (config `mount_on_pull`), so the
+        first container finds it serving; stopped again if no container uses it within
+        MOUNT_AHEAD_IDLE seconds. Best effort: on failure the container's start mounts it."""
+        parent_ids = (top.id, *top.parent_ids)
+        try:
+            plan = self._plan(parent_ids)
+            if plan is None:
+                return
+            runs, _placement, bare = plan
+            with self._mount_lock:
+                self.mounter.ensure(top.id, runs, bare_runs=bare)
+        except Exception as exc:
+            log.warning("event=mount_ahead_failed mount=%s error=%r; the first container mounts it", top.id, exc)
+            return
+        timer = threading.Timer(MOUNT_AHEAD_IDLE, self._release_unused)
+        timer.daemon = True
+        timer.start()
 
     def _remote_layer(self, info: Info) -> RemoteLayer:
         ref = layer_ref_from_labels(info.labels)
