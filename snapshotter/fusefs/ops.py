@@ -112,6 +112,20 @@ class FsStatistics:
     read_timeouts: int = 0
     unexpected_errors: int = 0
     ops: dict[str, OpStatistics] = field(default_factory=dict)
+    # Distinct chunks that reads touched, and their compressed bytes: what a perfect fetcher
+    # would have had to download for these reads (the benchmark's "actually read").
+    demand_chunks: int = 0
+    demand_chunk_bytes: int = 0
+    _demanded: set[tuple[int, int, int]] = field(default_factory=set, repr=False)
+
+    def note_demand(self, layer: int, entry: Entry, offset: int, size: int) -> None:
+        for c in entry.chunks_for(offset, size):
+            key = (layer, c.blob_index, c.blob_offset)
+            if c.zeros or key in self._demanded:
+                continue
+            self._demanded.add(key)
+            self.demand_chunks += 1
+            self.demand_chunk_bytes += c.blob_size
 
     def observe(self, op: str, seconds: float, error: bool) -> None:
         stat = self.ops.get(op)
@@ -351,6 +365,7 @@ class LazyOperations(pyfuse3.Operations):
             log.error("reader returned %d bytes for %r [%d, +%d)", len(data), node.path, off, want)
             raise pyfuse3.FUSEError(errno.EIO)
         self.stats.read_bytes += want
+        self.stats.note_demand(node.layer, node.entry, off, want)
         return bytes(data)
 
     async def release(self, fh: int) -> None:

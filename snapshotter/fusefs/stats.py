@@ -8,6 +8,7 @@ started; a reader of the file treats a new `pid` as a counter reset.
 Document, version 1 (unknown keys must be ignored by readers):
     {"version": 1, "pid": P, "started": EPOCH, "time": EPOCH, "mountpoint": M,
      "fuse": {"reads", "read_bytes", "read_errors", "read_timeouts", "unexpected_errors",
+              "demand_chunks", "demand_chunk_bytes",      # distinct chunks reads touched (compressed bytes)
               "latency_buckets": [bound seconds...],
               "ops": {OP: {"count", "errors", "seconds", "buckets": [per bucket, last is +Inf]}}},
      "layers": [{"digest", "image", "registry", "format", "blob_size", "requests", "fetched_bytes",
@@ -58,6 +59,7 @@ def stats_document(state: Any, ops: LazyOperations, readers: Sequence[object],
         "fuse": {
             "reads": fs.reads, "read_bytes": fs.read_bytes, "read_errors": fs.read_errors,
             "read_timeouts": fs.read_timeouts, "unexpected_errors": fs.unexpected_errors,
+            "demand_chunks": fs.demand_chunks, "demand_chunk_bytes": fs.demand_chunk_bytes,
             "latency_buckets": list(LATENCY_BUCKETS),
             "ops": {op: {"count": s.count, "errors": s.errors, "seconds": s.seconds, "buckets": list(s.buckets)}
                     for op, s in sorted(fs.ops.items())},

@@ -118,13 +118,14 @@ class RemoteBackend:
 
     # -- remote prepare -----------------------------------------------------------------------
 
-    def _resolve(self, ref: LayerRef) -> tuple[str, int]:
-        """Resolve (or reuse) the layer's index; return (format, blob size). Raises on failure."""
+    def _resolve(self, ref: LayerRef) -> tuple[str, int, int]:
+        """Resolve (or reuse) the layer's index; return (format, bytes fetched, metadata bytes
+        the format needed). Raises on failure."""
         meta = self.layers.meta(ref.layer_digest)
         if meta is not None and (ref.toc_digest is None or meta.toc_digest in (None, ref.toc_digest)):
-            return meta.format, meta.blob_size
+            return meta.format, 0, 0
 
-        async def run() -> tuple[str, int]:
+        async def run() -> tuple[str, int, int]:
             with trio.fail_after(self.config.resolve_timeout):
                 async with RegistryClient(fetch_config_from(self.config)) as client:
                     try:
@@ -134,7 +135,7 @@ class RemoteBackend:
                         metrics.RESOLVE_BYTES.labels(_registry_of(ref.image_ref)).inc(client.stats.bytes_received)
             self.layers.save(LayerMeta(ref.layer_digest, resolved.format, resolved.blob_size, ref.image_ref,
                                        resolved.index.toc_digest), resolved.index)
-            return resolved.format, resolved.blob_size
+            return resolved.format, client.stats.bytes_received, resolved.metadata_bytes
 
         return trio.run(run)
 
@@ -145,7 +146,7 @@ class RemoteBackend:
             ref = layer_ref_from_labels(labels)
             if ref is None:
                 return False
-            fmt, _size = self._resolve(ref)
+            fmt, fetched, needed = self._resolve(ref)
         except Exception as exc:  # every failure of a lazy layer is a fallback, never a failed pull
             seconds = time.monotonic() - start
             reason = fallback_reason(exc)
@@ -169,8 +170,8 @@ class RemoteBackend:
             # of it is likely next, so its mount starts now rather than on the container's path.
             threading.Thread(target=self._mount_ahead, args=(top,), name="mount-ahead", daemon=True).start()
         self.layers.clear_fallback(ref.layer_digest)
-        log.info("event=lazy_prepare image=%s layer=%s format=%s seconds=%.3f target=%s",
-                 ref.image_ref, ref.layer_digest, fmt, seconds, target)
+        log.info("event=lazy_prepare image=%s layer=%s format=%s seconds=%.3f target=%s fetched_bytes=%d "
+                 "metadata_bytes=%d", ref.image_ref, ref.layer_digest, fmt, seconds, target, fetched, needed)
         metrics.LAYER_PREPARES.labels("lazy", fmt).inc()
         return True
 

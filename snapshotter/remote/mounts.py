@@ -108,6 +108,20 @@ def _prefetch_outcome(ready_file: Path) -> str:
         return "not_ready"
 
 
+def _final_stats(stats_file: Path) -> str:
+    """" reads=.. read_bytes=.. demand_chunk_bytes=.. registry_bytes=..": the stopped mount's
+    totals from its last stats file (it writes one as it stops), for the mount_stopped line."""
+    try:
+        doc = json.loads(stats_file.read_bytes())
+        fuse, registry = doc.get("fuse", {}), doc.get("registry", {})
+        values = {"reads": fuse.get("reads"), "read_bytes": fuse.get("read_bytes"),
+                  "demand_chunk_bytes": fuse.get("demand_chunk_bytes"),
+                  "registry_bytes": registry.get("bytes_received")}
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return "".join(f" {k}={int(v)}" for k, v in values.items() if isinstance(v, int))
+
+
 class MountManager:
     """Implements remote.backend.Mounter. Thread-safe."""
 
@@ -312,10 +326,11 @@ class MountManager:
                 child.kill()
         lazy_unmount(mnt)
         pidf.unlink(missing_ok=True)
+        totals = _final_stats(self.dir / mount_id / STATS_FILE) if pid is not None or child is not None else ""
         if remove and not is_mountpoint(mnt):
             shutil.rmtree(self.dir / mount_id, ignore_errors=True)
         if pid is not None or child is not None:
-            log.info("event=mount_stopped mount=%s pid=%s", mount_id, pid)
+            log.info("event=mount_stopped mount=%s pid=%s%s", mount_id, pid, totals)
 
     def watch(self, stop: threading.Event, interval: float = WATCH_INTERVAL) -> None:
         """Until `stop` is set: report each mount process that died (WARN `event=mount_died`, once

@@ -30,10 +30,14 @@ class NotLazy(SnapshotterError):
 
 @dataclass(frozen=True)
 class ResolvedLayer:
+    """metadata_bytes: the bytes of the blob the format needs for the tree (footer + TOC, or the
+    whole bootstrap layer); what was fetched may be more (the tail read is fixed-size)."""
+
     ref: LayerRef
     format: str
     blob_size: int
     index: LayerIndex
+    metadata_bytes: int = 0
 
 
 async def _range(client: RegistryClient, ref: LayerRef, tail: bytes, tail_start: int,
@@ -58,7 +62,7 @@ async def _resolve_nydus(client: RegistryClient, ref: LayerRef, size: int, *,
     """A Nydus data blob layer has no tree of its own (the bootstrap layer describes the image);
     the bootstrap layer is small and fetched whole, then parsed."""
     if ref.nydus_blob:
-        return ResolvedLayer(ref, NYDUS_BLOB_FORMAT, size, LayerIndex(NYDUS_BLOB_FORMAT, ()))
+        return ResolvedLayer(ref, NYDUS_BLOB_FORMAT, size, LayerIndex(NYDUS_BLOB_FORMAT, ()), 0)
     if size > max_bootstrap_bytes:
         raise LimitExceeded(f"nydus bootstrap layer {ref.layer_digest} is {size} bytes, over "
                             f"limits.max_bootstrap_bytes ({max_bootstrap_bytes})")
@@ -67,7 +71,7 @@ async def _resolve_nydus(client: RegistryClient, ref: LayerRef, size: int, *,
         raise DigestMismatch(f"nydus bootstrap layer {ref.layer_digest}: content does not match its digest")
     boot = bootstrap_from_layer(layer, max_bootstrap_bytes=max_bootstrap_bytes)
     index = parse_bootstrap(boot, max_bootstrap_bytes=max_bootstrap_bytes)
-    return ResolvedLayer(ref, "nydus", size, index)
+    return ResolvedLayer(ref, "nydus", size, index, size)
 
 
 async def resolve_layer(client: RegistryClient, ref: LayerRef, *, max_toc_bytes: int,
@@ -95,7 +99,8 @@ async def resolve_layer(client: RegistryClient, ref: LayerRef, *, max_toc_bytes:
         index = estargz.parse_toc(member, blob_size=size, layer_digest=ref.layer_digest,
                                   max_toc_bytes=max_toc_bytes, expected_toc_digest=ref.toc_digest,
                                   toc_offset=footer.toc_offset)
-        return ResolvedLayer(ref, "stargz" if footer.legacy else "estargz", size, index)
+        footer_len = estargz.LEGACY_FOOTER_SIZE if footer.legacy else estargz.FOOTER_SIZE
+        return ResolvedLayer(ref, "stargz" if footer.legacy else "estargz", size, index, length + footer_len)
 
     try:
         position = zstdchunked.parse_footer(tail, blob_size=size)
@@ -109,6 +114,6 @@ async def resolve_layer(client: RegistryClient, ref: LayerRef, *, max_toc_bytes:
         index = zstdchunked.parse_manifest(compressed, blob_size=size, layer_digest=ref.layer_digest,
                                            max_toc_bytes=max_toc_bytes, position=position)
         _check_toc_digest(ref, index)
-        return ResolvedLayer(ref, "zstdchunked", size, index)
+        return ResolvedLayer(ref, "zstdchunked", size, index, size - position.offset)
 
     raise NotLazy(f"layer {ref.layer_digest} has no eStargz or zstd:chunked footer (plain gzip/zstd layer?)")

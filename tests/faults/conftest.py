@@ -118,8 +118,19 @@ class FaultLab:
     def daemon_pid(self) -> int:
         return next(p.pid for p in self.lab.procs if p.name == "snapshotter" and p.popen.poll() is None)
 
-    def mount_pids(self) -> list[int]:
-        return pids_mentioning(f"{self.root}/mounts/", exclude={os.getpid()})
+    def mount_pids(self, mount_id: str | None = None) -> list[int]:
+        """Mount processes of this daemon (of image mount `mount_id` only, if given): started with a
+        state file under ROOT/mounts, or spares handed one (their working directory is the mount's)."""
+        where = f"{self.root}/mounts/{mount_id}/" if mount_id else f"{self.root}/mounts/"
+        found = set(pids_mentioning(where, exclude={os.getpid()}))
+        for proc in Path("/proc").iterdir():
+            try:
+                if proc.name.isdigit() and b"snapshotter.fusefs" in (proc / "cmdline").read_bytes() \
+                        and (os.readlink(proc / "cwd") + "/").startswith(where):
+                    found.add(int(proc.name))
+            except OSError:
+                continue
+        return sorted(found)
 
     def kill_tasks(self, *cids: str) -> None:
         for cid in cids:
