@@ -245,13 +245,13 @@ def _entry(raw: Mapping[str, Any], type_: EntryType, name: str, what: str) -> di
     )
 
 
-def _load_json(data: bytes, what: str) -> list[Any]:
+def _load_json(text: str, what: str) -> list[Any]:
     def no_constants(c: str) -> Any:
         raise FormatError(f"{what}: JSON constant {c} is not allowed")
 
     try:
-        doc = json.loads(data.decode("utf-8"), parse_constant=no_constants)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        doc = json.loads(text, parse_constant=no_constants)
+    except (ValueError, RecursionError) as exc:
         if isinstance(exc, FormatError):
             raise
         raise FormatError(f"{what}: TOC JSON is invalid: {str(exc)[:200]}") from None
@@ -292,8 +292,15 @@ def parse_toc(toc_member: bytes, *, blob_size: int, layer_digest: str, max_toc_b
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        raws = _load_json(data, what)
-        del data  # the JSON text is as big as the index; do not hold it while building
+        # The JSON is as big as the index: hold one copy of it at a time (bytes, then text), never
+        # while the objects are built.
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise FormatError(f"{what}: TOC JSON is invalid: {str(exc)[:200]}") from None
+        del data
+        raws = _load_json(text, what)
+        del text
         return _build(raws, what, layer_digest, toc_offset, toc_digest)
     finally:
         if was_enabled:
@@ -394,7 +401,10 @@ def _build(raws: list[Any], what: str, layer_digest: str, toc_offset: int, toc_d
     landmark = Landmark.NONE
     prefetch: list[str] = []
     seen_landmark = False
-    for p in pending:
+    by_name.clear()  # from here each _Pending is referenced by `pending` only: free them as entries are made
+    for i in range(len(pending)):
+        p = pending[i]
+        pending[i] = None  # type: ignore[call-overload]
         if p.type is EntryType.DIR:
             nlink = 2 + subdirs.get(p.name, 0)
         else:

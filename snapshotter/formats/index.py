@@ -172,22 +172,27 @@ class LayerIndex:
     landmark: Landmark = Landmark.NONE
     prefetch: tuple[str, ...] = ()
     toc_digest: str | None = None
-    _by_name: Mapping[str, Entry] = field(init=False, repr=False, compare=False)
+    _by_name: Mapping[str, Entry] | None = field(default=None, init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_by_name", MappingProxyType({e.name: e for e in self.entries}))
+    @property
+    def by_name(self) -> Mapping[str, Entry]:
+        """name -> Entry, built on first use (a mount process of a big layer may never need it)."""
+        if self._by_name is None:
+            object.__setattr__(self, "_by_name", MappingProxyType({e.name: e for e in self.entries}))
+        assert self._by_name is not None
+        return self._by_name
 
     def get(self, name: str) -> Entry | None:
-        return self._by_name.get(name)
+        return self.by_name.get(name)
 
     def __getitem__(self, name: str) -> Entry:
         try:
-            return self._by_name[name]
+            return self.by_name[name]
         except KeyError:
             raise KeyError(f"no entry {name!r} in {self.format} layer index") from None
 
     def __contains__(self, name: object) -> bool:
-        return name in self._by_name
+        return name in self.by_name
 
     def __len__(self) -> int:
         return len(self.entries)

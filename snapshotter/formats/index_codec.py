@@ -4,8 +4,9 @@
 (`load_index(dump_index(i)) == i`). `dump_index` writes version 2; `load_index` reads both.
 
 Version 2 (binary; what a mount process loads at start, so it is built for load speed):
-    MAGIC (b"SNPIDX2\n") + a pickle (protocol 5) of primitives only, no class references:
-    (format, blobs, landmark, prefetch, toc_digest, entries) where an entry is
+    MAGIC (b"SNPIDX2\n"), then pickles (protocol 5) of primitives only, no class references:
+    the header (format, blobs, landmark, prefetch, toc_digest, entry count), then tuples of at
+    most 1024 entries until the count is reached, and nothing after. An entry is
     (name, type, mode, uid, gid, mtime_ns, size, link_target, dev_major, dev_minor,
      ((xattr name, bytes), ...), nlink, digest, chunks) and a chunk is the 9-tuple of version 1.
     Strings are the enum values and names of version 1. The unpickler refuses every global, so
@@ -52,6 +53,7 @@ from snapshotter.formats.index import (
 
 VERSION = 1
 MAGIC = b"SNPIDX2\n"
+_BATCH = 1024  # entries per pickle of version 2
 DEFAULT_MAX_SIZE = 1 << 30
 _ENTRY_TYPES = {t.value: t for t in EntryType}
 _COMPRESSIONS = {c.value: c for c in Compression}
@@ -87,19 +89,23 @@ def _chunk_tuple(c: Chunk) -> tuple[Any, ...]:
             c.blob_index, c.zeros)
 
 
+def _entry_row(e: Entry) -> tuple[Any, ...]:
+    return (e.name, e.type.value, e.mode, e.uid, e.gid, e.mtime_ns, e.size, e.link_target, e.dev_major, e.dev_minor,
+            tuple(e.xattrs.items()), e.nlink, e.digest, tuple(_chunk_tuple(c) for c in e.chunks))
+
+
 def dump_index(index: LayerIndex) -> bytes:
-    """The persisted form of `index` (version 2)."""
-    entries = tuple(
-        (e.name, e.type.value, e.mode, e.uid, e.gid, e.mtime_ns, e.size, e.link_target, e.dev_major, e.dev_minor,
-         tuple(e.xattrs.items()), e.nlink, e.digest, tuple(_chunk_tuple(c) for c in e.chunks))
-        for e in index.entries
-    )
-    body = (index.format, tuple(index.blobs), index.landmark.value, tuple(index.prefetch), index.toc_digest, entries)
+    """The persisted form of `index` (version 2). Rows are pickled a batch at a time, so the
+    plain-data copy of the index never exists whole (the daemon writes indexes of 100k-file layers)."""
     out = io.BytesIO()
     out.write(MAGIC)
     pickler = pickle.Pickler(out, protocol=5)
     pickler.fast = True  # no memo: the bytes depend on the values only, not on which are one object
-    pickler.dump(body)
+    entries = index.entries
+    pickler.dump((index.format, tuple(index.blobs), index.landmark.value, tuple(index.prefetch), index.toc_digest,
+                  len(entries)))
+    for start in range(0, len(entries), _BATCH):
+        pickler.dump(tuple(_entry_row(e) for e in entries[start:start + _BATCH]))
     return out.getvalue()
 
 
@@ -283,15 +289,22 @@ def _entry_v2(row: object) -> Entry:
 
 
 def _load_v2(data: bytes) -> LayerIndex:
-    try:
-        body = _PrimitivesOnly(io.BytesIO(data[len(MAGIC):])).load()
-    except FormatError:
-        raise
-    except Exception as exc:  # a damaged pickle raises many kinds; all mean the same to us
-        raise FormatError(f"persisted index is damaged: {type(exc).__name__}: {exc}") from None
-    if type(body) is not tuple or len(body) != 6:
-        raise _bad("the document is not a 6-tuple")
-    fmt, blobs, landmark, prefetch, toc_digest, rows = body
+    stream = io.BytesIO(data)
+    stream.seek(len(MAGIC))
+    unpickler = _PrimitivesOnly(stream)
+
+    def load() -> Any:
+        try:
+            return unpickler.load()
+        except FormatError:
+            raise
+        except Exception as exc:  # a damaged pickle raises many kinds; all mean the same to us
+            raise FormatError(f"persisted index is damaged: {type(exc).__name__}: {exc}") from None
+
+    header = load()
+    if type(header) is not tuple or len(header) != 6:
+        raise _bad("the header is not a 6-tuple")
+    fmt, blobs, landmark, prefetch, toc_digest, count = header
     if type(fmt) is not str or (toc_digest is not None and type(toc_digest) is not str):
         raise _bad("format or toc_digest is not a string")
     for seq, what in ((blobs, "blobs"), (prefetch, "prefetch")):
@@ -301,7 +314,15 @@ def _load_v2(data: bytes) -> LayerIndex:
         mark = Landmark(landmark)
     except ValueError:
         raise _bad(f"unknown landmark {landmark!r}") from None
-    if type(rows) is not tuple:
-        raise _bad("entries is not a tuple")
-    return LayerIndex(format=fmt, entries=tuple(_entry_v2(r) for r in rows), blobs=blobs, landmark=mark,
-                      prefetch=prefetch, toc_digest=toc_digest)
+    if type(count) is not int or count < 0:
+        raise _bad(f"bad entry count {count!r}")
+    entries: list[Entry] = []
+    while len(entries) < count:
+        batch = load()
+        if type(batch) is not tuple or not batch or len(entries) + len(batch) > count:
+            raise _bad(f"an entry batch is not a tuple of at most {count - len(entries)} rows")
+        entries.extend(_entry_v2(row) for row in batch)
+    if stream.read(1):
+        raise _bad("trailing bytes after the last entry")
+    return LayerIndex(format=fmt, entries=tuple(entries), blobs=blobs, landmark=mark, prefetch=prefetch,
+                      toc_digest=toc_digest)

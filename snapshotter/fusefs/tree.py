@@ -395,7 +395,8 @@ def _freeze(roots: list[_B], subtrees: bool, opaque_xattrs: Sequence[str],
             inode=inode, type=b.type, mode=b.mode, uid=b.uid, gid=b.gid, mtime_ns=b.mtime_ns,
             size=b.size, nlink=nlink, path=path, parent=parent, layer=b.layer, entry=b.entry,
             link_target=b.link_target, dev_major=b.dev_major, dev_minor=b.dev_minor, xattrs=xattrs,
-            children=MappingProxyType(children), names=names, whiteout=b.whiteout, opaque=opaque,
+            children=MappingProxyType(children) if children else _EMPTY_CHILDREN, names=names,
+            whiteout=b.whiteout, opaque=opaque,
         )
     return nodes, file_bytes
 

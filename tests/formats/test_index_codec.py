@@ -72,20 +72,33 @@ def test_version_2_refuses_code(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("body", [
-    (), ("estargz",), ("estargz", (), "none", (), None, [()]),
-    ("estargz", (), "none", (), None, (("f", "reg"),)),
-    ("estargz", (), "bogus", (), None, ()),
-    ("estargz", (), "none", (), None, (("f", "reg", 0o644, 0, 0, 0, 5, "", 0, 0, (), 1, None, ()),)),  # no chunks
-    ("estargz", (), "none", (), None, (("f", "reg", -1, 0, 0, 0, 0, "", 0, 0, (), 1, None, ()),)),
-    ("estargz", (), "none", (), None, (("f", "reg", 0o644, 0, 0, 0, 4, "", 0, 0, (), 1, None,
-                                        ((0, 4, 0, 9, "brotli", None, 0, 0, False),)),)),
-    ("estargz", (), "none", (), None, (("f", "dir", 0o755, 0, 0, 0, 0, "", 0, 0, (("user.x", "str"),), 1, None,
-                                        ()),)),
+def _v2(*objects: object) -> bytes:
+    return MAGIC + b"".join(pickle.dumps(o, protocol=5) for o in objects)
+
+
+_HEADER = ("estargz", (), "none", (), None, 1)
+_FILE = ("f", "reg", 0o644, 0, 0, 0, 4, "", 0, 0, (), 1, None, ((0, 4, 0, 9, "gzip", None, 0, 0, False),))
+
+
+def test_version_2_layout_as_documented() -> None:
+    """Header, then batches of rows: a hand-built stream loads."""
+    index = load_index(_v2(_HEADER, (_FILE,)))
+    assert [e.name for e in index.entries] == ["f"] and index.entries[0].chunks[0].blob_size == 9
+
+
+@pytest.mark.parametrize("objects", [
+    (), ((),), (("estargz",),), (_HEADER,), (_HEADER, ()), (_HEADER, [_FILE]), (_HEADER, (_FILE, _FILE)),
+    (_HEADER, (_FILE,), (_FILE,)), (_HEADER, (_FILE,), "trailing"),
+    (("estargz", (), "bogus", (), None, 0),), (("estargz", (), "none", (), None, -1),),
+    (_HEADER, (("f", "reg"),)),
+    (_HEADER, (("f", "reg", 0o644, 0, 0, 0, 5, "", 0, 0, (), 1, None, ()),)),  # no chunks for 5 bytes
+    (_HEADER, (("f", "reg", -1, 0, 0, 0, 0, "", 0, 0, (), 1, None, ()),)),
+    (_HEADER, (("f", "reg", 0o644, 0, 0, 0, 4, "", 0, 0, (), 1, None, ((0, 4, 0, 9, "brotli", None, 0, 0, False),)),)),
+    (_HEADER, (("f", "dir", 0o755, 0, 0, 0, 0, "", 0, 0, (("user.x", "str"),), 1, None, ()),)),
 ])
-def test_version_2_structural_damage_is_format_error(body: object) -> None:
+def test_version_2_structural_damage_is_format_error(objects: tuple[object, ...]) -> None:
     with pytest.raises(FormatError):
-        load_index(MAGIC + pickle.dumps(body, protocol=5))
+        load_index(_v2(*objects))
 
 
 @given(st.binary(max_size=300))
@@ -95,3 +108,11 @@ def test_version_2_never_crashes(tail: bytes) -> None:
             load_index(data)
         except FormatError:
             pass
+
+
+def test_version_2_round_trips_many_batches() -> None:
+    entries = tuple(Entry(f"d/f{i}", EntryType.REG, size=1, chunks=(Chunk(0, 1, 10 + i, 5, Compression.GZIP, None),))
+                    for i in range(2500))
+    index = LayerIndex(format="estargz", entries=(Entry("d", EntryType.DIR, 0o755), *entries))
+    again = load_index(dump_index(index))
+    assert again == index and again.entries == index.entries
