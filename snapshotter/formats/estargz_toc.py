@@ -47,7 +47,14 @@ from snapshotter.formats.index import (
     check_chunks,
     normalize_name,
 )
-from snapshotter.formats.toc_fields import digest_field, int_field, mtime_ns_field, str_field, xattrs_field
+from snapshotter.formats.toc_fields import (
+    MAX_INT,
+    digest_field,
+    int_field,
+    mtime_ns_field,
+    str_field,
+    xattrs_field,
+)
 
 TOC_TAR_NAME = "stargz.index.json"
 FORMAT_NAME = "estargz"
@@ -187,6 +194,13 @@ class _Pending:
 
 
 def _data_chunk(raw: Mapping[str, Any], what: str) -> _RawChunk:
+    get = raw.get
+    file_offset, size, offset, inner = get("chunkOffset", 0), get("chunkSize", 0), get("offset", 0), \
+        get("innerOffset", 0)
+    if type(file_offset) is int and type(size) is int and type(offset) is int and type(inner) is int \
+            and 0 <= file_offset <= MAX_INT and 0 <= size <= MAX_INT and 0 <= offset <= MAX_INT \
+            and 0 <= inner <= MAX_INT:  # the usual case, checked inline (a big TOC has 100k of these)
+        return _RawChunk(file_offset, size, offset, inner, digest_field(raw, "chunkDigest", what))
     return _RawChunk(
         file_offset=int_field(raw, "chunkOffset", what),
         size=int_field(raw, "chunkSize", what),
@@ -234,9 +248,14 @@ def _entry(raw: Mapping[str, Any], type_: EntryType, name: str, what: str) -> di
         link = ""
     size = int_field(raw, "size", what) if type_ is EntryType.REG else 0
     dev = type_ in (EntryType.CHAR, EntryType.BLOCK)
+    get = raw.get
+    mode, uid, gid = get("mode", 0), get("uid", 0), get("gid", 0)
+    if not (type(mode) is int and type(uid) is int and type(gid) is int and 0 <= mode <= MAX_INT
+            and 0 <= uid <= _MAX_ID and 0 <= gid <= _MAX_ID):  # else the field readers say what is wrong
+        mode, uid, gid = int_field(raw, "mode", what), int_field(raw, "uid", what, hi=_MAX_ID), \
+            int_field(raw, "gid", what, hi=_MAX_ID)
     return dict(
-        name=name, type=type_, mode=int_field(raw, "mode", what) & 0o7777,
-        uid=int_field(raw, "uid", what, hi=_MAX_ID), gid=int_field(raw, "gid", what, hi=_MAX_ID),
+        name=name, type=type_, mode=mode & 0o7777, uid=uid, gid=gid,
         mtime_ns=mtime_ns_field(raw, what), size=size, link_target=link,
         dev_major=int_field(raw, "devMajor", what, hi=_MAX_ID) if dev else 0,
         dev_minor=int_field(raw, "devMinor", what, hi=_MAX_ID) if dev else 0,

@@ -17,6 +17,7 @@ State file, version 1:
       "fetch_timeout": 30.0,         # optional; seconds per FUSE read before EIO
       "cache_timeout": 86400.0,      # optional; kernel entry/attr cache seconds
       "max_tasks": 64,               # optional; concurrent FUSE request tasks
+      "read_ahead_kb": 1024,         # optional; the mount's kernel read-ahead window (0: kernel default)
       "prefetch_timeout": 10.0,      # optional (else config.prefetch_timeout); see fusefs/prefetch.py
       "runs": [                      # lowest run first; each run lowest layer first
         [{"digest": "sha256:...",                         # for logs ("layer_digest" also accepted)
@@ -78,6 +79,7 @@ from snapshotter.fusefs.tree import DEFAULT_OPAQUE_XATTRS, MountTree, build_tree
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
+DEFAULT_READ_AHEAD_KB = 1024  # 1 MiB: the largest FUSE read request (see set_read_ahead)
 FSNAME = "lazy"
 MOUNT_OPTIONS = frozenset({f"fsname={FSNAME}", "subtype=snapshotter", "allow_other", "default_permissions", "ro"})
 
@@ -105,6 +107,7 @@ class MountState:
     cache_timeout: float = 24 * 3600.0
     max_tasks: int = 64
     bare_runs: tuple[int, ...] = ()  # runs with nothing below them: no overlay markers needed
+    read_ahead_kb: int = DEFAULT_READ_AHEAD_KB  # the mount's kernel read-ahead window; 0 = kernel default
     doc: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
@@ -160,13 +163,17 @@ def parse_state(data: bytes, what: str = "state file") -> MountState:
         raise ConfigError(f"{what}: opaque_xattrs must be strings")
     record_file = _get(doc, "record_file", (str, type(None)), what, None)
     ready_file = _get(doc, "ready_file", (str, type(None)), what, None)
+    read_ahead_kb = _get(doc, "read_ahead_kb", int, what, DEFAULT_READ_AHEAD_KB)
+    if read_ahead_kb < 0:
+        raise ConfigError(f"{what}: read_ahead_kb must not be negative")
     bare_runs = _get(doc, "bare_runs", list, what, [])
     if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < len(runs) for x in bare_runs):
         raise ConfigError(f"{what}: bare_runs must be run numbers below {len(runs)}")
     return MountState(
         mountpoint=_get(doc, "mountpoint", str, what), ready_file=ready_file, runs=tuple(runs),
         record_file=record_file, subtrees=subtrees, opaque_xattrs=tuple(opaque), fetch_timeout=fetch_timeout,
-        cache_timeout=cache_timeout, max_tasks=max_tasks, bare_runs=tuple(bare_runs), doc=doc,
+        cache_timeout=cache_timeout, max_tasks=max_tasks, bare_runs=tuple(bare_runs), read_ahead_kb=read_ahead_kb,
+        doc=doc,
     )
 
 
@@ -312,6 +319,36 @@ def _detach_stale_mount(mountpoint: str) -> None:
     log.warning("detached a stale mount at %s", mountpoint)
 
 
+def _mount_device(mountpoint: str) -> str | None:
+    """"MAJOR:MINOR" of the file system mounted at `mountpoint`, from /proc/self/mountinfo (a stat
+    of the mountpoint would be a FUSE request this process cannot answer yet)."""
+    target = os.fsencode(os.path.abspath(mountpoint))
+    device = None
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            fields = line.split(b" ")
+            if len(fields) > 4 and fields[4].replace(b"\\040", b" ") == target:
+                device = fields[2].decode()  # the last one listed is the one on top
+    return device
+
+
+def set_read_ahead(mountpoint: str, kib: int) -> None:
+    """Set the kernel's read-ahead window of our mount (its BDI) to `kib` KiB; 0 leaves it.
+
+    The kernel gives a FUSE mount 128 KiB, so a sequential reader costs us one request per
+    128 KiB; with 1 MiB it is one per MiB (the largest FUSE read), and reading a cached file
+    runs about 1.5x faster. Best effort: without /sys (or root) the default stays."""
+    if kib <= 0:
+        return
+    try:
+        device = _mount_device(mountpoint)
+        if device is None:
+            raise OSError(f"{mountpoint} is not in /proc/self/mountinfo")
+        Path(f"/sys/class/bdi/{device}/read_ahead_kb").write_text(f"{kib}\n")
+    except OSError as exc:
+        log.warning("event=read_ahead_unchanged mountpoint=%s error=%s", mountpoint, exc)
+
+
 def write_record(state: MountState, recorder: ReadRecorder) -> None:
     if state.record_file:
         _write_atomic(state.record_file, recorder.dump())
@@ -335,6 +372,11 @@ async def _watch_signals(state: MountState, recorder: ReadRecorder, stop: trio.C
 async def _ready_after_prefetch(state: MountState, tree: MountTree, prefetcher: Prefetcher) -> None:
     """Write the ready file once every layer's landmark prefetch ended or prefetch_timeout
     passed, whichever is first (the mount serves reads meanwhile; prefetch goes on after)."""
+    # The kernel sets the mount's read-ahead when it gets our INIT reply (sent by pyfuse3.main);
+    # a stat answered through the mount shows that has happened.
+    with trio.move_on_after(5):
+        await trio.to_thread.run_sync(os.stat, state.mountpoint, abandon_on_cancel=True)
+    set_read_ahead(state.mountpoint, state.read_ahead_kb)
     timeout = prefetcher.settings.prefetch_timeout
     began = trio.current_time()
     with trio.move_on_after(timeout):

@@ -128,6 +128,21 @@ def test_reference_is_what_we_think(built: dict[str, Any]) -> None:
     assert ref["run/fifo"].type == "dir" and ref["fd"].type == "dir"
 
 
+def _read_ahead_kb(mountpoint: Path) -> int:
+    dev = os.stat(mountpoint).st_dev
+    return int(Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb").read_text())
+
+
+@pytest.mark.parametrize("setting", [None, 0, 512])
+def test_mount_read_ahead_window(built: dict[str, Any], tmp_path: Path, setting: int | None) -> None:
+    """1 MiB by default (one FUSE request per MiB of a sequential read, not per 128 KiB); the
+    state's read_ahead_kb sets it, 0 leaves the kernel's default (128 KiB for FUSE)."""
+    extra = {} if setting is None else {"read_ahead_kb": setting}
+    with mount_process(tmp_path, [built["specs"]], subtrees=False, **extra) as m:
+        assert _read_ahead_kb(m.mountpoint) == {None: 1024, 0: 128, 512: 512}[setting], m.log()
+        assert read_all(m.mountpoint / "big") == BIG
+
+
 def test_single_run_mount_matches_kernel_overlay(built: dict[str, Any], tmp_path: Path) -> None:
     with mount_process(tmp_path, [built["specs"]], subtrees=False, fetch_timeout=10) as m:
         mnt = m.mountpoint
