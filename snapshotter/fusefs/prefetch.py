@@ -20,6 +20,8 @@ Background fetch (`[prefetch] background`, after every layer's prefetch has fini
 - one task per mount fetches the chunks of every layer that are not cached yet, lowest layer
   first, one merged range request (a "unit") at a time, so at most one background request is
   in flight;
+- a mount started ahead of any container (state "background_after_first_read": true, the
+  daemon's mount_on_pull) starts it only after the first on-demand read;
 - it starts `background_delay` seconds after the prefetch at the earliest, and before each unit
   waits until no on-demand read has been running for `background_delay` seconds, so on-demand
   reads always go first;
@@ -64,6 +66,7 @@ class PrefetchSettings:
     background: bool = True
     background_bytes_per_second: int = 0
     background_delay: float = 3.0
+    background_after_first_read: bool = False  # a mount started ahead of any container (mount_on_pull)
 
     @classmethod
     def from_doc(cls, doc: Mapping[str, Any]) -> PrefetchSettings:
@@ -83,6 +86,7 @@ class PrefetchSettings:
             background=background if isinstance(background, bool) else True,
             background_bytes_per_second=int(num(section.get("background_bytes_per_second", 0), 0)),
             background_delay=num(section.get("background_delay", 3.0), 3.0),
+            background_after_first_read=doc.get("background_after_first_read") is True,
         )
 
 
@@ -297,6 +301,13 @@ class Prefetcher:
             self._publish()
             log.info("event=background status=disabled")
             return
+        if self.settings.background_after_first_read and self.gate.reads == 0:
+            # Mounted on pull: an image nobody runs costs no bandwidth beyond its prefetch.
+            for st in self.layers:
+                st.background = "waiting"
+            self._publish()
+            while self.gate.reads == 0:
+                await trio.sleep(0.2)
         # The quiet period counts from now too: background starts `background_delay` after the
         # landmark prefetch at the earliest, giving a starting container's first reads the way.
         self.gate.last_end = max(self.gate.last_end, trio.current_time())

@@ -70,7 +70,8 @@ class RemoteLayer:
 class Mounter(Protocol):
     """Starts, finds and stops per-image mount processes (remote/mounts.py)."""
 
-    def ensure(self, mount_id: str, runs: list[list[RemoteLayer]], *, bare_runs: tuple[int, ...] = ()) -> str: ...
+    def ensure(self, mount_id: str, runs: list[list[RemoteLayer]], *, bare_runs: tuple[int, ...] = (),
+               ahead: bool = False) -> str: ...
     def release(self, mount_id: str) -> None: ...
     def mounted_ids(self) -> set[str]: ...
 
@@ -245,7 +246,7 @@ class RemoteBackend:
                 return
             runs, _placement, bare = plan
             with self._mount_lock:
-                self.mounter.ensure(top.id, runs, bare_runs=bare)
+                self.mounter.ensure(top.id, runs, bare_runs=bare, ahead=True)
         except Exception as exc:
             log.warning("event=mount_ahead_failed mount=%s error=%r; the first container mounts it", top.id, exc)
             return

@@ -161,8 +161,10 @@ class MountManager:
     def pids(self) -> dict[str, int | None]:
         return {m: self._pid(m) for m in sorted(self.mounted_ids())}
 
-    def ensure(self, mount_id: str, runs: list[list[RemoteLayer]], *, bare_runs: tuple[int, ...] = ()) -> str:
-        """The mountpoint of image `mount_id`, starting its mount process if it is not serving."""
+    def ensure(self, mount_id: str, runs: list[list[RemoteLayer]], *, bare_runs: tuple[int, ...] = (),
+               ahead: bool = False) -> str:
+        """The mountpoint of image `mount_id`, starting its mount process if it is not serving.
+        ahead=True: mounted before any container asked (its background fetch waits for a read)."""
         mnt, state, pidf, logf = self._paths(mount_id)
         with self._lock:
             if self.alive(mount_id):
@@ -182,6 +184,7 @@ class MountManager:
                 "prefetch_timeout": self.config.prefetch_timeout,
                 "fetch_timeout": self.config.fetch_timeout,
                 "bare_runs": list(bare_runs),
+                "background_after_first_read": ahead,
                 "config": dataclasses.asdict(self.config),
                 "runs": [[{"index": layer.index_path, "layer_digest": layer.layer_digest,
                            "reader": {"kind": "registry", "image_ref": layer.image_ref,

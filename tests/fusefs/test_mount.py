@@ -137,7 +137,7 @@ def _read_ahead_kb(mountpoint: Path) -> int:
 def test_mount_read_ahead_window(built: dict[str, Any], tmp_path: Path, setting: int | None) -> None:
     """1 MiB by default (one FUSE request per MiB of a sequential read, not per 128 KiB); the
     state's read_ahead_kb sets it, 0 leaves the kernel's default (128 KiB for FUSE)."""
-    extra = {} if setting is None else {"read_ahead_kb": setting}
+    extra: dict[str, Any] = {} if setting is None else {"read_ahead_kb": setting}
     with mount_process(tmp_path, [built["specs"]], subtrees=False, **extra) as m:
         assert _read_ahead_kb(m.mountpoint) == {None: 1024, 0: 128, 512: 512}[setting], m.log()
         assert read_all(m.mountpoint / "big") == BIG

@@ -201,12 +201,34 @@ def test_background_stops_before_evicting(tmp_path: Path) -> None:
     assert 0 < cache.usage().bytes <= cap and cache.evicted_chunks == 0
 
 
+def test_a_mount_started_on_pull_fetches_in_background_only_after_a_read(tmp_path: Path) -> None:
+    """mount_on_pull: an image nobody runs costs no bandwidth; its first read starts the fetch."""
+    blob, index, _files = _layer(tmp_path, [])
+    idle_calls: list[int] = []
+
+    async def body(p: Prefetcher, reader, source: CountingSource) -> None:  # type: ignore[no-untyped-def]
+        await trio.sleep(0.5)  # well past background_delay=0
+        idle_calls.append(len(source.calls))
+        assert p.status["0:sha256:layer"]["background"] == "waiting"
+        (tracked,) = p.tracked([reader])
+        await tracked.read(index["lib/big"], 0, 1000)
+        with trio.fail_after(20):
+            while p.status["0:sha256:layer"]["background"] != "done":
+                await trio.sleep(0.02)
+
+    settings = PrefetchSettings(background_delay=0.0, background_after_first_read=True)
+    p, source, _ = run(tmp_path, index, blob, settings, body=body)
+    assert idle_calls == [0], "nothing was fetched before the first read"
+    assert p.status["0:sha256:layer"]["background_bytes"] > 1_000_000
+
+
 def test_settings_from_the_daemon_state_doc() -> None:
     doc = {"prefetch_timeout": 2.5, "config": {"prefetch_timeout": 9.0, "prefetch": {
         "background": False, "background_bytes_per_second": 1000, "background_delay": 0.5}}}
     assert PrefetchSettings.from_doc(doc) == PrefetchSettings(2.5, False, 1000, 0.5)
     assert PrefetchSettings.from_doc({"config": {"prefetch_timeout": 9.0}}).prefetch_timeout == 9.0
     assert PrefetchSettings.from_doc({}) == PrefetchSettings()
+    assert PrefetchSettings.from_doc({"background_after_first_read": True}).background_after_first_read
 
 
 def test_background_and_on_demand_reads_together_read_right(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import gzip
 import io
 import logging
 import tarfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,9 +47,12 @@ class FakeMounter:
         self.ensured: dict[str, list[list[RemoteLayer]]] = {}
         self.released: list[str] = []
         self.bare: dict[str, tuple[int, ...]] = {}
+        self.ahead: dict[str, bool] = {}
 
-    def ensure(self, mount_id: str, runs: list[list[RemoteLayer]], *, bare_runs: tuple[int, ...] = ()) -> str:
+    def ensure(self, mount_id: str, runs: list[list[RemoteLayer]], *, bare_runs: tuple[int, ...] = (),
+               ahead: bool = False) -> str:
         self.ensured[mount_id] = runs
+        self.ahead[mount_id] = ahead
         self.bare[mount_id] = bare_runs
         return str(self.tmp / "mnt" / mount_id)
 
@@ -106,6 +110,31 @@ def test_estargz_layer_becomes_remote_snapshot(registry: RegistryProcess, backen
     with pytest.raises(AlreadyExists):
         be.prepare("default/2/extract-2", "sha256:chain1", _labels(image.ref, digest, "sha256:chain2"))
     assert registry.log_path.read_text().count("GET") == registry_log.count("GET")
+
+
+def test_the_last_layer_of_an_image_is_mounted_ahead(registry: RegistryProcess,
+                                                     backend: tuple[RemoteBackend, FakeMounter]) -> None:
+    """cri.image-layers names the layers from this one up: a layer naming only itself is the
+    image's top, and its mount starts right away (mount_on_pull), marked as started ahead; a
+    lower layer's prepare mounts nothing."""
+    be, mounter = backend
+    blobs = [_estargz({"a": b"a"})[0], _estargz({"b": b"b"})[0]]
+    image = push_image(registry.url, "lazy/ahead", "v1", blobs)
+    low, top = image.layers
+    with pytest.raises(AlreadyExists):
+        be.prepare("default/1/extract-1", "", _labels(image.ref, low, "sha256:c1", **{
+            "containerd.io/snapshot/cri.image-layers": f"{low},{top}"}))
+    time.sleep(0.3)
+    assert mounter.ensured == {}
+    with pytest.raises(AlreadyExists):
+        be.prepare("default/1/extract-2", "sha256:c1", _labels(image.ref, top, "sha256:c2", **{
+            "containerd.io/snapshot/cri.image-layers": top}))
+    top_id = be.sn.snapshot("sha256:c2").id
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and top_id not in mounter.ensured:
+        time.sleep(0.05)
+    assert [[layer.layer_digest for layer in run] for run in mounter.ensured[top_id]] == [[low, top]]
+    assert mounter.ahead[top_id] is True and mounter.bare[top_id] == (0,)
 
 
 def _fallback_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
