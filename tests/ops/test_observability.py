@@ -160,7 +160,9 @@ def _check_while_running(env: Env) -> None:
         time.sleep(0.5)
     reads = total(samples, "snapshotter_fuse_operations_total", op="read")
     lookups = total(samples, "snapshotter_fuse_operations_total", op="lookup")
-    assert reads >= BIG / (128 << 10) * 0.5 and lookups > 0
+    # At most 1 MiB per FUSE read (the mount's read-ahead window); fewer reads would mean the
+    # counter misses some.
+    assert reads >= BIG / (1 << 20) and lookups > 0
     assert total(samples, "snapshotter_fuse_operation_seconds_count", op="read") == reads
     inf_bucket = total(samples, "snapshotter_fuse_operation_seconds_bucket", op="read", le="+Inf")
     assert inf_bucket == reads and total(samples, "snapshotter_fuse_operation_seconds_sum", op="read") > 0
