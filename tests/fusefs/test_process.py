@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import trio
 
 from snapshotter.errors import ConfigError, DigestMismatch, FetchError
 from snapshotter.formats.index import Chunk, Compression, Entry, EntryType
-from snapshotter.fusefs.process import FileBlobReader, parse_state
+from snapshotter.fusefs.process import FileBlobReader, await_assignment, parse_state
 
 GOOD: dict[str, Any] = {
     "version": 1, "mountpoint": "/mnt/x", "ready_file": "/run/x.ready",
@@ -90,3 +91,11 @@ def test_file_reader_errors(tmp_path: Path) -> None:
     path.write_bytes(path.read_bytes()[:50])
     with pytest.raises(FetchError):
         trio.run(FileBlobReader([str(path)]).read, entry, 2500, 10)
+
+
+def test_spare_assignment_end_of_input_and_garbage() -> None:
+    """A spare whose daemon went away reads end of input and exits; a bad line names itself."""
+    assert await_assignment(io.BytesIO(b"")) is None
+    for bad in (b"not json\n", b'{"log": "/x"}\n', b"[1]\n"):
+        with pytest.raises(ConfigError, match="spare mount process: bad assignment"):
+            await_assignment(io.BytesIO(bad))
