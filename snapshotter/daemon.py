@@ -179,6 +179,8 @@ class Daemon:
         self._watch_stop.set()
         if self.mounter is not None:
             self.mounter.close()
+        if self.backend is not None:
+            self.backend.close()
         if self.admin is not None:
             self.admin.stop()
             self.admin = None

@@ -25,6 +25,7 @@ Contracts:
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import hashlib
@@ -33,8 +34,8 @@ import logging
 import os
 import random
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 from urllib.parse import urljoin, urlsplit
@@ -132,6 +133,23 @@ class Manifest:
             raise FetchError(f"manifest {self.descriptor.digest} is not JSON: {e}") from e
 
 
+# Body bytes received on behalf of one caller of a shared client (`counting_bytes`): the
+# context is per trio task, so callers running at the same time are counted apart.
+_TASK_TALLY: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("fetch_tally", default=None)
+
+
+@contextmanager
+def counting_bytes() -> Iterator[list[int]]:
+    """Within the block, body bytes this task's requests receive (from any RegistryClient) are
+    added to the yielded one-element list."""
+    tally = [0]
+    token = _TASK_TALLY.set(tally)
+    try:
+        yield tally
+    finally:
+        _TASK_TALLY.reset(token)
+
+
 @dataclass
 class FetchStatistics:
     """Counters since the client was made (a snapshot is `dataclasses.replace(stats)`)."""
@@ -146,6 +164,9 @@ class FetchStatistics:
 
     def note_bytes(self, resp: httpx.Response, n: int) -> None:
         self.bytes_received += n
+        tally = _TASK_TALLY.get()
+        if tally is not None:
+            tally[0] += n
         try:
             url = resp.request.url
             host = f"{url.host}:{url.port}" if url.port else url.host  # never the userinfo part
@@ -296,6 +317,10 @@ class RegistryClient:
         if registry not in self._hosts:
             self._hosts[registry] = load_hosts(self.config.hosts_config_path, registry)
         return self._hosts[registry]
+
+    def forget_hosts(self) -> None:
+        """Read hosts.toml again on the next request (a long-lived client calls this per job)."""
+        self._hosts.clear()
 
     def use_plain_http(self, registry: str) -> None:
         """Talk plain HTTP (no TLS attempt) to every host of `registry` (a CLI's --plain-http)."""

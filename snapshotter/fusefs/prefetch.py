@@ -20,8 +20,9 @@ Background fetch (`[prefetch] background`, after every layer's prefetch has fini
 - one task per mount fetches the chunks of every layer that are not cached yet, lowest layer
   first, one merged range request (a "unit") at a time, so at most one background request is
   in flight;
-- a mount started ahead of any container (state "background_after_first_read": true, the
-  daemon's mount_on_pull) starts it only after the first on-demand read;
+- with an "in_use_file" in the state, it starts only once that file exists (the daemon makes it
+  when a snapshot over the image asks for the mount; a mount started on pull has none yet) or
+  an on-demand read came;
 - it starts `background_delay` seconds after the prefetch at the earliest, and before each unit
   waits until no on-demand read has been running for `background_delay` seconds, so on-demand
   reads always go first;
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -66,7 +68,7 @@ class PrefetchSettings:
     background: bool = True
     background_bytes_per_second: int = 0
     background_delay: float = 3.0
-    background_after_first_read: bool = False  # a mount started ahead of any container (mount_on_pull)
+    in_use_file: str | None = None  # background waits until this file exists or a read came
 
     @classmethod
     def from_doc(cls, doc: Mapping[str, Any]) -> PrefetchSettings:
@@ -86,7 +88,7 @@ class PrefetchSettings:
             background=background if isinstance(background, bool) else True,
             background_bytes_per_second=int(num(section.get("background_bytes_per_second", 0), 0)),
             background_delay=num(section.get("background_delay", 3.0), 3.0),
-            background_after_first_read=doc.get("background_after_first_read") is True,
+            in_use_file=doc["in_use_file"] if isinstance(doc.get("in_use_file"), str) else None,
         )
 
 
@@ -301,12 +303,13 @@ class Prefetcher:
             self._publish()
             log.info("event=background status=disabled")
             return
-        if self.settings.background_after_first_read and self.gate.reads == 0:
+        in_use = self.settings.in_use_file
+        if in_use is not None and self.gate.reads == 0 and not os.path.exists(in_use):
             # Mounted on pull: an image nobody runs costs no bandwidth beyond its prefetch.
             for st in self.layers:
                 st.background = "waiting"
             self._publish()
-            while self.gate.reads == 0:
+            while self.gate.reads == 0 and not os.path.exists(in_use):
                 await trio.sleep(0.2)
         # The quiet period counts from now too: background starts `background_delay` after the
         # landmark prefetch at the earliest, giving a starting container's first reads the way.

@@ -35,7 +35,7 @@ from snapshotter.errors import (
     LimitExceeded,
 )
 from snapshotter.fetch.auth import AuthError
-from snapshotter.fetch.client import RegistryClient
+from snapshotter.fetch.client import RegistryClient, counting_bytes
 from snapshotter.fetch.reference import parse_reference
 from snapshotter.reader import chunk_key
 from snapshotter.remote.labels import (
@@ -45,7 +45,8 @@ from snapshotter.remote.labels import (
     claimed_layer,
     layer_ref_from_labels,
 )
-from snapshotter.remote.resolver import NotLazy, resolve_layer
+from snapshotter.remote.resolve_loop import ResolveLoop
+from snapshotter.remote.resolver import NotLazy, ResolvedLayer, resolve_layer
 from snapshotter.remote.settings import fetch_config_from
 from snapshotter.remote.store import LayerMeta, LayerStore, blob_digests
 from snapshotter.snapshots.model import Info, Mount, Snapshot, Usage
@@ -115,7 +116,14 @@ class RemoteBackend:
         # Deciding a mount is unused and stopping it must not interleave with handing it out:
         # gRPC calls run on many threads (containerd's GC removes snapshots while others prepare).
         self._mount_lock = threading.RLock()
+        # One event loop and registry client for every resolve: connections, tokens and what
+        # was learned of each host carry over from layer to layer (remote/resolve_loop.py).
+        self.resolve_loop = ResolveLoop(fetch_config_from(config))
         snapshotter.set_lowers(self.lowers)
+
+    def close(self) -> None:
+        """Stop the resolve loop (the daemon is stopping)."""
+        self.resolve_loop.close()
 
     # -- remote prepare -----------------------------------------------------------------------
 
@@ -126,19 +134,20 @@ class RemoteBackend:
         if meta is not None and (ref.toc_digest is None or meta.toc_digest in (None, ref.toc_digest)):
             return meta.format, 0, 0
 
-        async def run() -> tuple[str, int, int]:
-            with trio.fail_after(self.config.resolve_timeout):
-                async with RegistryClient(fetch_config_from(self.config)) as client:
-                    try:
+        async def job(client: RegistryClient) -> tuple[ResolvedLayer, int]:
+            with counting_bytes() as fetched:
+                try:
+                    with trio.fail_after(self.config.resolve_timeout):
                         resolved = await resolve_layer(client, ref, max_toc_bytes=self.config.limits.max_toc_bytes,
                                                        max_bootstrap_bytes=self.config.limits.max_bootstrap_bytes)
-                    finally:
-                        metrics.RESOLVE_BYTES.labels(_registry_of(ref.image_ref)).inc(client.stats.bytes_received)
-            self.layers.save(LayerMeta(ref.layer_digest, resolved.format, resolved.blob_size, ref.image_ref,
-                                       resolved.index.toc_digest), resolved.index)
-            return resolved.format, client.stats.bytes_received, resolved.metadata_bytes
+                finally:
+                    metrics.RESOLVE_BYTES.labels(_registry_of(ref.image_ref)).inc(fetched[0])
+            return resolved, fetched[0]
 
-        return trio.run(run)
+        resolved, fetched = self.resolve_loop.run(job)  # parsing ran in the loop; saving runs here
+        self.layers.save(LayerMeta(ref.layer_digest, resolved.format, resolved.blob_size, ref.image_ref,
+                                   resolved.index.toc_digest), resolved.index)
+        return resolved.format, fetched, resolved.metadata_bytes
 
     def _try_remote(self, target: str, parent: str, labels: Mapping[str, str]) -> bool:
         """True when the layer is now a committed remote snapshot named `target`."""

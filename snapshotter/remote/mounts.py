@@ -7,6 +7,8 @@
     ROOT/mounts/<mount id>/ready        written by it once mounted and prefetched (or prefetch_timeout)
     ROOT/mounts/<mount id>/record.json  its first-read record, written on SIGUSR1 (`snapshotter record`)
     ROOT/mounts/<mount id>/stats.json   its counters, rewritten every second (fusefs/stats.py)
+    ROOT/mounts/<mount id>/in_use       made once a snapshot over the image asked for the mount; a
+                                        mount started on pull fetches in background only after it
     ROOT/mounts/spare.log               stderr of the spare mount process until it is given a mount
 
 The spare (config `spare_mount_process`): one mount process started ahead, imports done, that
@@ -46,6 +48,7 @@ log = logging.getLogger(__name__)
 
 READY_TIMEOUT = 30.0
 READY_FILE = "ready"  # written by the mount process once mounted and prefetched (fusefs/prefetch.py)
+IN_USE_FILE = "in_use"  # made when a snapshot over the image asks for the mount (not by mount_on_pull)
 RECORD_FILE = "record.json"  # its first-read record, on SIGUSR1 and at exit (`snapshotter record`)
 STATS_FILE = "stats.json"
 STOP_TIMEOUT = 5.0
@@ -164,10 +167,14 @@ class MountManager:
     def ensure(self, mount_id: str, runs: list[list[RemoteLayer]], *, bare_runs: tuple[int, ...] = (),
                ahead: bool = False) -> str:
         """The mountpoint of image `mount_id`, starting its mount process if it is not serving.
-        ahead=True: mounted before any container asked (its background fetch waits for a read)."""
+        ahead=True: mounted before any container asked (its background fetch waits until a
+        later call without `ahead` marks it in use, or a read)."""
         mnt, state, pidf, logf = self._paths(mount_id)
+        in_use = self.dir / mount_id / IN_USE_FILE
         with self._lock:
             if self.alive(mount_id):
+                if not ahead:
+                    in_use.touch()
                 return str(mnt)
             dead_pid = self._pid(mount_id)
             if dead_pid is not None and (mount_id, dead_pid) not in self._reported_dead:
@@ -184,7 +191,7 @@ class MountManager:
                 "prefetch_timeout": self.config.prefetch_timeout,
                 "fetch_timeout": self.config.fetch_timeout,
                 "bare_runs": list(bare_runs),
-                "background_after_first_read": ahead,
+                "in_use_file": str(in_use),
                 "config": dataclasses.asdict(self.config),
                 "runs": [[{"index": layer.index_path, "layer_digest": layer.layer_digest,
                            "reader": {"kind": "registry", "image_ref": layer.image_ref,
@@ -196,6 +203,9 @@ class MountManager:
             tmp.write_text(json.dumps(doc, indent=1))
             os.replace(tmp, state)
             pidf.unlink(missing_ok=True)
+            in_use.unlink(missing_ok=True)
+            if not ahead:
+                in_use.touch()
             proc = self._launch(state, logf)
             self._children[mount_id] = proc
             readyf = self.dir / mount_id / READY_FILE

@@ -10,7 +10,8 @@ from snapshotter.fetch.config import FetchConfig
 
 def fetch_config_from(config: Config) -> FetchConfig:
     """FetchConfig for `config`: registry.* and cache.max_inflight_bytes; docker config defaulting
-    to ~/.docker/config.json when that file exists."""
+    to ~/.docker/config.json. The file need not exist yet: the daemon's long-lived client reads it
+    when it appears or changes (fetch/auth.py CredentialStore)."""
     reg = config.registry
     docker = Path(reg.docker_config) if reg.docker_config else Path.home() / ".docker" / "config.json"
     return FetchConfig(
@@ -21,6 +22,6 @@ def fetch_config_from(config: Config) -> FetchConfig:
         max_parallel_per_registry=max(1, reg.max_parallel),
         max_merge_bytes=max(1, reg.max_merge_bytes),
         max_inflight_bytes=max(1, config.cache.max_inflight_bytes),
-        docker_config=docker if docker.exists() else None,
+        docker_config=docker,
         hosts_config_path=Path(reg.config_path) if reg.config_path else None,
     )

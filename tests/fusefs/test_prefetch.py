@@ -202,7 +202,8 @@ def test_background_stops_before_evicting(tmp_path: Path) -> None:
 
 
 def test_a_mount_started_on_pull_fetches_in_background_only_after_a_read(tmp_path: Path) -> None:
-    """mount_on_pull: an image nobody runs costs no bandwidth; its first read starts the fetch."""
+    """mount_on_pull: an image nobody runs costs no bandwidth; its first read starts the fetch
+    (as does the daemon's in_use file, tested below)."""
     blob, index, _files = _layer(tmp_path, [])
     idle_calls: list[int] = []
 
@@ -216,9 +217,26 @@ def test_a_mount_started_on_pull_fetches_in_background_only_after_a_read(tmp_pat
             while p.status["0:sha256:layer"]["background"] != "done":
                 await trio.sleep(0.02)
 
-    settings = PrefetchSettings(background_delay=0.0, background_after_first_read=True)
+    settings = PrefetchSettings(background_delay=0.0, in_use_file=str(tmp_path / "in_use"))
     p, source, _ = run(tmp_path, index, blob, settings, body=body)
     assert idle_calls == [0], "nothing was fetched before the first read"
+    assert p.status["0:sha256:layer"]["background_bytes"] > 1_000_000
+
+
+def test_a_mount_started_on_pull_fetches_in_background_once_in_use(tmp_path: Path) -> None:
+    blob, index, _files = _layer(tmp_path, [])
+    marker = tmp_path / "in_use"
+
+    async def body(p: Prefetcher, reader, source: CountingSource) -> None:  # type: ignore[no-untyped-def]
+        await trio.sleep(0.5)
+        assert not source.calls and p.status["0:sha256:layer"]["background"] == "waiting"
+        marker.touch()  # a snapshot over the image asked for the mount
+        with trio.fail_after(20):
+            while p.status["0:sha256:layer"]["background"] != "done":
+                await trio.sleep(0.02)
+
+    p, _source, _ = run(tmp_path, index, blob, PrefetchSettings(background_delay=0.0, in_use_file=str(marker)),
+                        body=body)
     assert p.status["0:sha256:layer"]["background_bytes"] > 1_000_000
 
 
@@ -228,7 +246,7 @@ def test_settings_from_the_daemon_state_doc() -> None:
     assert PrefetchSettings.from_doc(doc) == PrefetchSettings(2.5, False, 1000, 0.5)
     assert PrefetchSettings.from_doc({"config": {"prefetch_timeout": 9.0}}).prefetch_timeout == 9.0
     assert PrefetchSettings.from_doc({}) == PrefetchSettings()
-    assert PrefetchSettings.from_doc({"background_after_first_read": True}).background_after_first_read
+    assert PrefetchSettings.from_doc({"in_use_file": "/x/in_use"}).in_use_file == "/x/in_use"
 
 
 def test_background_and_on_demand_reads_together_read_right(tmp_path: Path) -> None:

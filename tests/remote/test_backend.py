@@ -74,11 +74,15 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryProce
 
 
 @pytest.fixture
-def backend(tmp_path: Path) -> tuple[RemoteBackend, FakeMounter]:
+def backend(tmp_path: Path) -> Iterator[tuple[RemoteBackend, FakeMounter]]:
     config = Config(root=str(tmp_path / "root"), resolve_timeout=5.0)
     sn = Snapshotter(tmp_path / "root")
     mounter = FakeMounter(tmp_path)
-    return RemoteBackend(sn, config, mounter), mounter
+    be = RemoteBackend(sn, config, mounter)
+    try:
+        yield be, mounter
+    finally:
+        be.close()
 
 
 def _labels(ref: str, digest: str, target: str, **extra: str) -> dict[str, str]:
