@@ -75,6 +75,7 @@ from snapshotter.fusefs.ops import FsConfig, LayerReader, LazyOperations, ReadRe
 from snapshotter.fusefs.prefetch import Prefetcher, PrefetchSettings
 from snapshotter.fusefs.stats import run_stats_writer
 from snapshotter.fusefs.tree import DEFAULT_OPAQUE_XATTRS, MountTree, build_tree
+from snapshotter.mountinfo import mount_device
 
 log = logging.getLogger(__name__)
 
@@ -319,19 +320,6 @@ def _detach_stale_mount(mountpoint: str) -> None:
     log.warning("detached a stale mount at %s", mountpoint)
 
 
-def _mount_device(mountpoint: str) -> str | None:
-    """"MAJOR:MINOR" of the file system mounted at `mountpoint`, from /proc/self/mountinfo (a stat
-    of the mountpoint would be a FUSE request this process cannot answer yet)."""
-    target = os.fsencode(os.path.abspath(mountpoint))
-    device = None
-    with open("/proc/self/mountinfo", "rb") as f:
-        for line in f:
-            fields = line.split(b" ")
-            if len(fields) > 4 and fields[4].replace(b"\\040", b" ") == target:
-                device = fields[2].decode()  # the last one listed is the one on top
-    return device
-
-
 def set_read_ahead(mountpoint: str, kib: int) -> None:
     """Set the kernel's read-ahead window of our mount (its BDI) to `kib` KiB; 0 leaves it.
 
@@ -341,7 +329,7 @@ def set_read_ahead(mountpoint: str, kib: int) -> None:
     if kib <= 0:
         return
     try:
-        device = _mount_device(mountpoint)
+        device = mount_device(mountpoint)  # not a stat: this process may not be serving yet
         if device is None:
             raise OSError(f"{mountpoint} is not in /proc/self/mountinfo")
         Path(f"/sys/class/bdi/{device}/read_ahead_kb").write_text(f"{kib}\n")

@@ -42,6 +42,7 @@ from pathlib import Path
 from snapshotter import metrics
 from snapshotter.config import Config
 from snapshotter.errors import SnapshotterError
+from snapshotter.mountinfo import is_mountpoint
 from snapshotter.remote.backend import RemoteLayer
 
 log = logging.getLogger(__name__)
@@ -59,17 +60,6 @@ WATCH_INTERVAL = 1.0  # seconds between checks of the mount processes' pids (`wa
 
 class MountError(SnapshotterError):
     """A mount process could not be started or did not become ready."""
-
-
-def is_mountpoint(path: Path) -> bool:
-    """True when `path` is a mountpoint in this mount namespace (dead FUSE mounts included)."""
-    target = os.fsencode(os.path.abspath(path))
-    with open("/proc/self/mountinfo", "rb") as f:
-        for line in f:
-            fields = line.split(b" ")
-            if len(fields) > 4 and fields[4].replace(b"\\040", b" ") == target:
-                return True
-    return False
 
 
 def _answers(path: Path) -> bool:
