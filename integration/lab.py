@@ -124,6 +124,23 @@ def pids_mentioning(needle: str, exclude: set[int]) -> list[int]:
     return pids
 
 
+def mount_processes() -> list[tuple[int, list[bytes], str]]:
+    """(pid, argv, working directory) of every snapshotter mount process (`python -m
+    snapshotter.fusefs`). A spare handed a mount names no state file: its working directory is
+    its mount's directory (ROOT/mounts/<id>); a waiting spare's is ROOT/mounts."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            if b"snapshotter.fusefs" in argv:
+                found.append((int(entry), argv, os.readlink(f"/proc/{entry}/cwd")))
+        except OSError:
+            continue
+    return found
+
+
 def _session_of(pid: int) -> int:
     """Session id of `pid`, or -1 if it is gone."""
     try:

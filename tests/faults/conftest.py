@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 
-from integration.lab import Lab, LabError, mounts_under, pids_mentioning
+from integration.lab import Lab, LabError, mount_processes, mounts_under, pids_mentioning
 from tests.faults.proxy import FaultProxy
 
 settings.register_profile("long", max_examples=20_000, deadline=None,
@@ -123,13 +123,7 @@ class FaultLab:
         state file under ROOT/mounts, or spares handed one (their working directory is the mount's)."""
         where = f"{self.root}/mounts/{mount_id}/" if mount_id else f"{self.root}/mounts/"
         found = set(pids_mentioning(where, exclude={os.getpid()}))
-        for proc in Path("/proc").iterdir():
-            try:
-                if proc.name.isdigit() and b"snapshotter.fusefs" in (proc / "cmdline").read_bytes() \
-                        and (os.readlink(proc / "cwd") + "/").startswith(where):
-                    found.add(int(proc.name))
-            except OSError:
-                continue
+        found.update(pid for pid, _argv, cwd in mount_processes() if (cwd + "/").startswith(where))
         return sorted(found)
 
     def kill_tasks(self, *cids: str) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from integration import cri, images
-from integration.lab import Lab
+from integration.lab import Lab, mount_processes
 
 RICH_BIG = 6 * 1024 * 1024 + 12345  # several 4 MiB eStargz chunks, and an odd tail
 
@@ -336,18 +336,7 @@ def _fuse_mounts_under(root: Path) -> list[str]:
 
 def _spare_pids(mounts_dir: Path) -> list[int]:
     """Waiting spare mount processes of this lab's daemon (started in ROOT/mounts, `--spare`)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
-            if b"snapshotter.fusefs" in cmdline and b"--spare" in cmdline \
-                    and os.readlink(proc / "cwd") == str(mounts_dir):
-                found.append(int(proc.name))
-        except OSError:
-            continue
-    return found
+    return [pid for pid, argv, cwd in mount_processes() if b"--spare" in argv and cwd == str(mounts_dir)]
 
 
 def _wait_for(what: str, probe: Callable[[], object], timeout: float = 30.0) -> object:
