@@ -141,6 +141,7 @@ class MountTree:
     layers: every run's layers, run 0 first, each run lowest layer first.
     run_of_layer: for each position in `layers`, which run it belongs to.
     file_bytes: total size of the regular files (each inode counted once).
+    has_xattrs: some node carries an xattr (a layer's, or a synthesized opaque marker).
     """
 
     nodes: Mapping[int, Node]
@@ -148,6 +149,7 @@ class MountTree:
     run_of_layer: tuple[int, ...]
     subtrees: bool
     file_bytes: int
+    has_xattrs: bool = True
 
     @property
     def root(self) -> Node:
@@ -341,8 +343,9 @@ class _RunMerger:
 
 
 def _freeze(roots: list[_B], subtrees: bool, opaque_xattrs: Sequence[str],
-            bare_runs: Collection[int] = ()) -> tuple[dict[int, Node], int]:
-    """Number the nodes depth first and build the immutable Nodes. Returns (nodes, file bytes)."""
+            bare_runs: Collection[int] = ()) -> tuple[dict[int, Node], int, bool]:
+    """Number the nodes depth first and build the immutable Nodes. Returns (nodes, file bytes,
+    whether any node has an xattr)."""
     top = _B(type=EntryType.DIR)
     if subtrees:
         top.children = {str(i): r for i, r in enumerate(roots)}
@@ -370,6 +373,7 @@ def _freeze(roots: list[_B], subtrees: bool, opaque_xattrs: Sequence[str],
 
     nodes: dict[int, Node] = {}
     file_bytes = 0
+    has_xattrs = False
     opaque_values = {x: OPAQUE_VALUE for x in opaque_xattrs}
     for b, path, parent, marked in order:
         inode = inode_of[id(b)]
@@ -391,6 +395,8 @@ def _freeze(roots: list[_B], subtrees: bool, opaque_xattrs: Sequence[str],
             nlink = names_seen[id(b)]
             if b.type is EntryType.REG:
                 file_bytes += b.size
+        if xattrs:
+            has_xattrs = True
         nodes[inode] = Node(
             inode=inode, type=b.type, mode=b.mode, uid=b.uid, gid=b.gid, mtime_ns=b.mtime_ns,
             size=b.size, nlink=nlink, path=path, parent=parent, layer=b.layer, entry=b.entry,
@@ -398,7 +404,7 @@ def _freeze(roots: list[_B], subtrees: bool, opaque_xattrs: Sequence[str],
             children=MappingProxyType(children) if children else _EMPTY_CHILDREN, names=names,
             whiteout=b.whiteout, opaque=opaque,
         )
-    return nodes, file_bytes
+    return nodes, file_bytes, has_xattrs
 
 
 def build_tree(
@@ -430,8 +436,8 @@ def build_tree(
             layers.append(index)
             run_of_layer.append(run_no)
         roots.append(merger.root)
-    nodes, file_bytes = _freeze(roots, subtrees, opaque_xattrs, bare_runs)
+    nodes, file_bytes, has_xattrs = _freeze(roots, subtrees, opaque_xattrs, bare_runs)
     return MountTree(
         nodes=MappingProxyType(nodes), layers=tuple(layers), run_of_layer=tuple(run_of_layer),
-        subtrees=subtrees, file_bytes=file_bytes,
+        subtrees=subtrees, file_bytes=file_bytes, has_xattrs=has_xattrs,
     )

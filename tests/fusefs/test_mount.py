@@ -228,6 +228,29 @@ def test_subtrees_under_overlay_with_a_local_layer(built: dict[str, Any], tmp_pa
     assert m.proc.returncode == 0, m.log()
 
 
+def test_image_without_xattrs_turns_getxattr_off_in_the_kernel(built: dict[str, Any], tmp_path: Path) -> None:
+    """Layer 2 alone has no xattrs: the mount answers the first getxattr with ENOSYS, so the kernel
+    answers the rest itself (EOPNOTSUPP) and overlayfs's per-lookup trusted.overlay.* queries
+    stop costing a request each. The same mount with an xattr (test above) keeps answering."""
+    stats = tmp_path / "stats.json"
+    with mount_process(tmp_path, [built["specs"][2:3]], subtrees=False, stats_file=str(stats)) as m:
+        mnt = m.mountpoint
+        for name in ("usr/lib/libnew.so", "gonedir/new", "usr"):
+            with pytest.raises(OSError) as info:
+                os.getxattr(mnt / name, "user.comment")
+            assert info.value.errno == errno.EOPNOTSUPP
+        assert os.listxattr(mnt / "gonedir/new") == []
+        (tmp_path / "empty").mkdir()
+        with overlay(tmp_path / "merged", [mnt, tmp_path / "empty"]) as merged:
+            found = sorted(str(p.relative_to(merged)) for p in merged.rglob("*"))
+            assert found == sorted(str(p.relative_to(mnt)) for p in mnt.rglob("*"))
+            assert read_all(merged / "gonedir/new") == b"new"
+        m.proc.send_signal(signal.SIGTERM)
+        m.proc.wait(timeout=10)
+    ops = json.loads(stats.read_text())["fuse"]["ops"]
+    assert ops["getxattr"]["count"] == 1, ops  # the first one; none after it, overlay's included
+
+
 def test_faults_give_eio_and_do_not_wedge_the_mount(built: dict[str, Any], tmp_path: Path) -> None:
     d = tmp_path / "layers"
     d.mkdir()
