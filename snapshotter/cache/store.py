@@ -6,7 +6,8 @@ Layout under ROOT:
   index.db                     SQLite (WAL): chunks(key, size, atime), usage counters, pins
 
 Invariants (across processes; all index changes run in `BEGIN IMMEDIATE` transactions):
-- A chunk is served only if it has an index row AND its file has the recorded size. Files are
+- A chunk is served only if it has an index row AND its file has the recorded size (when it was
+  opened: a file `get` keeps open serves its unchanged bytes after an eviction, see open_files). Files are
   written to a temp name and `os.replace`d into place inside the same write transaction that
   inserts the row, so a crash mid-write leaves only a temp file (never served, not counted,
   removed by `repair`), and eviction (which unlinks inside its transaction) cannot interleave
@@ -40,6 +41,7 @@ from pathlib import Path
 
 from snapshotter.cache import procs
 from snapshotter.cache.keys import relative_path
+from snapshotter.cache.open_files import OpenChunk, OpenChunkFiles
 from snapshotter.errors import CacheError
 
 _SCHEMA = """
@@ -116,6 +118,7 @@ class ChunkCache:
         self.fsync = fsync
         self._busy_ms = int(busy_timeout * 1000)
         self._lock = threading.RLock()
+        self._open_files = OpenChunkFiles()
         self._db: sqlite3.Connection | None = None
         self._db_pid = -1
         self._me: tuple[int, str] | None = None
@@ -176,6 +179,7 @@ class ChunkCache:
             yield self._connect()
 
     def close(self) -> None:
+        self._open_files.clear()
         with self._lock:
             if self._db is not None and self._db_pid == os.getpid():
                 self._db.close()
@@ -203,39 +207,75 @@ class ChunkCache:
 
     def get(self, key: str, offset: int = 0, size: int | None = None) -> bytes | None:
         """The chunk's bytes [offset, offset+size) (all of it by default, clipped to its end),
-        or None if it is not cached. Refreshes its LRU position."""
-        path = self.path_for(key)
+        or None if it is not cached. Refreshes its LRU position.
+
+        The chunk's file stays open for the next get of the same key (see `open_files`): that
+        one skips the index and may serve a chunk evicted meanwhile, whose bytes are unchanged."""
         if offset < 0 or (size is not None and size < 0):
             raise ValueError(f"bad range {offset}+{size}")
         try:
-            with self._read() as db:
-                row = db.execute("SELECT size, atime FROM chunks WHERE key = ?", (key,)).fetchone()
-            if row is None:
-                return None
-            length, atime = row
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            except FileNotFoundError:
-                self._forget_if_missing(key, path)
+            held = self._open_files.checkout(key) or self._open(key)
+            if held is None:
                 return None
             try:
-                if os.fstat(fd).st_size != length:
-                    # Only a damaged disk or an outside writer gets here; never serve it.
-                    self.discard(key)
-                    return None
-                want = max(0, min(length - offset, length if size is None else size))
-                data = os.pread(fd, want, offset) if want else b""
+                want = max(0, min(held.size - offset, held.size if size is None else size))
+                data = os.pread(held.fd, want, offset) if want else b""
             finally:
-                os.close(fd)
+                self._open_files.checkin(held)
             if len(data) != want:
+                self._open_files.drop(key)
                 return None
             now = time.time()
-            if now - atime >= self.touch_interval:
+            if now - held.touched >= self.touch_interval:
+                held.touched = now
                 with self._write() as db:
                     db.execute("UPDATE chunks SET atime = ? WHERE key = ? AND atime < ?", (now, key, now))
             return data
         except (sqlite3.Error, OSError) as exc:
             raise CacheError(f"chunk cache {self.root}: cannot read {key}: {exc}") from exc
+
+    def warm(self, keys: Iterable[str]) -> set[str]:
+        """Have the kernel start reading the cached ones of `keys` into the page cache
+        (POSIX_FADV_WILLNEED, which does not wait for the disk), and keep their files open for
+        the `get`s that follow. Returns the keys that are cached."""
+        found: set[str] = set()
+        for key in keys:
+            try:
+                held = self._open_files.checkout(key) or self._open(key)
+                if held is None:
+                    continue
+                try:
+                    os.posix_fadvise(held.fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                finally:
+                    self._open_files.checkin(held)
+            except (sqlite3.Error, OSError) as exc:
+                raise CacheError(f"chunk cache {self.root}: cannot read {key}: {exc}") from exc
+            found.add(key)
+        return found
+
+    def _open(self, key: str) -> OpenChunk | None:
+        """Open a chunk the index lists and whose file has the recorded size; None otherwise."""
+        path = self.path_for(key)
+        with self._read() as db:
+            row = db.execute("SELECT size, atime FROM chunks WHERE key = ?", (key,)).fetchone()
+        if row is None:
+            return None
+        length, atime = row
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            self._forget_if_missing(key, path)
+            return None
+        try:
+            if os.fstat(fd).st_size != length:
+                # Only a damaged disk or an outside writer gets here; never serve it.
+                os.close(fd)
+                self.discard(key)
+                return None
+        except BaseException:
+            os.close(fd)
+            raise
+        return self._open_files.adopt(key, fd, length, atime)
 
     def contains(self, key: str) -> bool:
         """Whether `key` has an index row (no file check, no LRU touch)."""
@@ -332,6 +372,7 @@ class ChunkCache:
     def discard(self, key: str) -> bool:
         """Remove one chunk (e.g. found corrupt) regardless of pins; True if it was cached."""
         path = self.path_for(key)
+        self._open_files.drop(key)
         try:
             with self._write() as db:
                 gone = db.execute("DELETE FROM chunks WHERE key = ?", (key,)).rowcount > 0
@@ -380,6 +421,7 @@ class ChunkCache:
         return int(n)
 
     def _remove_locked(self, db: sqlite3.Connection, key: str) -> None:
+        self._open_files.drop(key)
         db.execute("DELETE FROM chunks WHERE key = ?", (key,))
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path_for(key))

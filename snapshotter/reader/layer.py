@@ -128,6 +128,7 @@ class ReaderStatistics:
     chunks_fetched: int = 0
     refetches: int = 0
     readahead_chunks: int = 0
+    readahead_warmed: int = 0
     readahead_skipped: int = 0
     cache_put_failures: int = 0
     cache_misses: int = 0
@@ -636,9 +637,19 @@ class LayerReader:
         self._nursery.start_soon(self._readahead, tuple(ahead))
 
     async def _readahead(self, chunks: Sequence[Chunk]) -> None:
+        """Fetch the window's missing chunks; start the disk reads of its cached ones (a warm
+        sequential reader then finds them in the page cache: one chunk file after another is
+        otherwise read from disk one request at a time, at half the disk's speed)."""
         _CAUSE.set("background")
+        cache = self.cache
+        assert cache is not None
         try:
-            await self._ensure_cached(chunks, background=True)
+            by_key = {self.key_for(c): c for c in chunks if not c.zeros}
+            warmed = await trio.to_thread.run_sync(cache.warm, list(by_key), limiter=self._cache_limiter)
+            self.stats.readahead_warmed += len(warmed)
+            missing = [c for k, c in by_key.items() if k not in warmed]
+            if missing:
+                await self._ensure_cached(missing, background=True)
         except Exception as exc:  # a failed read-ahead only costs a later foreground fetch
             log.info("read-ahead of %d chunks failed: %s", len(chunks), exc)
         finally:

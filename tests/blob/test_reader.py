@@ -297,6 +297,30 @@ def test_sequential_reads_trigger_readahead(blob: BuiltBlob, tmp_path: Path) -> 
     assert max(counts.values()) == 1
 
 
+def test_sequential_reads_of_cached_chunks_start_their_disk_reads_ahead(blob: BuiltBlob, tmp_path: Path) -> None:
+    """Read-ahead over chunks already cached fetches nothing and warms their files instead."""
+    cache = ChunkCache(tmp_path, 1 << 30)
+    source = CountingSource([blob.path])
+    entry = blob.entries["big"]
+    config = ReaderConfig(readahead_bytes=6 * CHUNK, readahead_trigger=2, max_merge_bytes=1)
+
+    async def main() -> None:
+        async with open_layer_reader(source, blobs=[LAYER], cache=cache, config=None) as reader:
+            await reader.prefetch(entry)
+        fetched = len(source.calls)
+        async with open_layer_reader(source, blobs=[LAYER], cache=cache, config=config) as reader:
+            step = 32 << 10
+            for off in range(0, 2 * CHUNK, step):
+                assert await reader.read(entry, off, step) == blob.contents["big"][off:off + step]
+            with trio.fail_after(10):
+                while reader.stats.readahead_warmed < 4:
+                    await trio.sleep(0.01)
+            assert reader.stats.readahead_chunks == 0
+        assert len(source.calls) == fetched
+
+    trio.run(main)
+
+
 def test_two_layers_sharing_content_store_it_once(tmp_path: Path) -> None:
     files = make_files(7)
     a = build_blob(tmp_path / "a.blob", files, chunk_size=CHUNK, seed=1)

@@ -1,0 +1,99 @@
+"""The open-file LRU behind ChunkCache.get: descriptors close only when unused and dropped, and a
+held chunk keeps serving its bytes after another process evicts it."""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from snapshotter.cache import ChunkCache
+from snapshotter.cache.open_files import OpenChunkFiles
+from tests.cache.helpers import chunk
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError as exc:
+        assert exc.errno == errno.EBADF
+        return False
+    return True
+
+
+def test_files_close_when_dropped_and_unused(tmp_path: Path) -> None:
+    files = OpenChunkFiles(capacity=2)
+    fds = []
+    for i in range(3):
+        p = tmp_path / str(i)
+        p.write_bytes(b"x")
+        fds.append(os.open(p, os.O_RDONLY))
+    a = files.adopt("a", fds[0], 1, 0.0)  # checked out once
+    files.checkin(files.adopt("b", fds[1], 1, 0.0))
+    files.checkin(files.adopt("c", fds[2], 1, 0.0))  # pushes "a" out of the LRU while in use
+    assert len(files) == 2 and files.checkout("a") is None
+    assert _is_open(fds[0]), "closed under a user"
+    files.checkin(a)
+    assert not _is_open(fds[0])
+    b = files.checkout("b")
+    assert b is not None and b.fd == fds[1]
+    files.drop("b")
+    assert _is_open(fds[1])
+    files.checkin(b)
+    assert not _is_open(fds[1])
+    files.clear()
+    assert not _is_open(fds[2]) and len(files) == 0
+
+
+def test_held_chunk_survives_eviction_elsewhere_but_not_discard_here(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, 1 << 20)
+    other = ChunkCache(tmp_path, 1 << 20)  # as another process would
+    key, data = chunk(1, 5000)
+    assert cache.put(key, data)
+    assert cache.get(key, 10, 100) == data[10:110]  # opens and holds the file
+    assert other.evict_to(0).chunks == 1
+    assert not cache.path_for(key).exists()
+    assert cache.get(key, 0, 5000) == data  # the held file: same bytes
+    assert cache.contains(key) is False
+    cache.discard(key)
+    assert cache.get(key) is None
+
+
+def test_truncated_held_file_is_a_miss_not_short_data(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, 1 << 20)
+    key, data = chunk(2, 5000)
+    assert cache.put(key, data) and cache.get(key, 0, 10) == data[:10]
+    os.truncate(cache.path_for(key), 100)  # an outside writer damaging the file in place
+    assert cache.get(key, 0, 5000) is None
+    assert cache.get(key) is None  # reopened: the size check drops it
+    assert not cache.contains(key)
+
+
+def test_warm_reports_cached_keys_and_reads_them_into_memory(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.fail("needs root to drop the page cache (the project runs tests as root)")
+    cache = ChunkCache(tmp_path, 16 << 20)
+    key, data = chunk(3, 4 << 20)
+    missing, _ = chunk(4, 10)
+    assert cache.put(key, data)
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("1")
+    assert cache.warm([key, missing]) == {key}
+    fd = os.open(cache.path_for(key), os.O_RDONLY)
+    try:
+        deadline = time.monotonic() + 10
+        while True:  # RWF_NOWAIT reads only what the page cache holds
+            try:
+                if os.preadv(fd, [bytearray(len(data))], 0, os.RWF_NOWAIT) == len(data):
+                    break
+            except BlockingIOError:
+                pass
+            assert time.monotonic() < deadline, "warm() did not bring the chunk into memory"
+            time.sleep(0.01)
+    finally:
+        os.close(fd)
+    assert cache.get(key) == data
