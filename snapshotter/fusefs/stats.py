@@ -78,7 +78,8 @@ def stats_document(state: Any, ops: LazyOperations, readers: Sequence[object],
         if rs is not None:
             layer.update(requests=rs.requests, fetched_bytes=rs.fetched_bytes,
                          fetched_bytes_by_cause=dict(rs.fetched_bytes_by_cause), cache_hits=rs.cache_hits,
-                         cache_misses=rs.cache_misses, chunks_fetched=rs.chunks_fetched, refetches=rs.refetches)
+                         cache_misses=rs.cache_misses, chunks_fetched=rs.chunks_fetched, refetches=rs.refetches,
+                         readahead_chunks=rs.readahead_chunks, readahead_warmed=rs.readahead_warmed)
         layers.append(layer)
     doc["layers"] = layers
     client = shared.get("registry_client")
