@@ -87,13 +87,14 @@ def _rpc(method: Callable[..., R]) -> Callable[..., R]:
         except Exception as exc:
             for cls, code in _CODES:
                 if isinstance(exc, cls):
-                    log.debug("event=grpc method=%s key=%s code=%s error=%s", name, q(key), code.name, q(exc))
+                    log.debug("event=grpc method=%s key=%s code=%s seconds=%.3f error=%s", name, q(key), code.name,
+                              time.monotonic() - start, q(exc))
                     self.observe(name, code.name, time.monotonic() - start)
                     context.abort(code, str(exc))
             log.exception("event=grpc_internal_error method=%s key=%s", name, q(key))
             self.observe(name, "INTERNAL", time.monotonic() - start)
             context.abort(grpc.StatusCode.INTERNAL, f"{name} {key!r}: {type(exc).__name__}: {exc}")
-        log.debug("event=grpc method=%s key=%s code=OK", name, q(key))
+        log.debug("event=grpc method=%s key=%s code=OK seconds=%.3f", name, q(key), time.monotonic() - start)
         self.observe(name, "OK", time.monotonic() - start)
         return result
 

@@ -25,7 +25,6 @@ Contracts:
 from __future__ import annotations
 
 import bisect
-import gc
 import hashlib
 import json
 import zlib
@@ -55,6 +54,7 @@ from snapshotter.formats.toc_fields import (
     str_field,
     xattrs_field,
 )
+from snapshotter.gcpause import gc_paused
 
 TOC_TAR_NAME = "stargz.index.json"
 FORMAT_NAME = "estargz"
@@ -306,11 +306,7 @@ def parse_toc(toc_member: bytes, *, blob_size: int, layer_digest: str, max_toc_b
     if expected_toc_digest is not None and expected_toc_digest != toc_digest:
         raise DigestMismatch(f"{what}: TOC digest is {toc_digest}, the layer's annotation says "
                              f"{expected_toc_digest}")
-    # Building ~10 objects per entry makes the cyclic GC rescan everything again and again; nothing
-    # here creates cycles, so pausing it halves the time for big TOCs.
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():
         # The JSON is as big as the index: hold one copy of it at a time (bytes, then text), never
         # while the objects are built.
         try:
@@ -321,9 +317,6 @@ def parse_toc(toc_member: bytes, *, blob_size: int, layer_digest: str, max_toc_b
         raws = _load_json(text, what)
         del text
         return _build(raws, what, layer_digest, toc_offset, toc_digest)
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _build(raws: list[Any], what: str, layer_digest: str, toc_offset: int, toc_digest: str) -> LayerIndex:

@@ -50,6 +50,7 @@ from snapshotter.formats.index import (
     LayerIndex,
     check_chunks,
 )
+from snapshotter.gcpause import gc_paused
 
 VERSION = 1
 MAGIC = b"SNPIDX2\n"
@@ -101,12 +102,17 @@ def dump_index(index: LayerIndex) -> bytes:
     out.write(MAGIC)
     pickler = pickle.Pickler(out, protocol=5)
     pickler.fast = True  # no memo: the bytes depend on the values only, not on which are one object
+    with gc_paused():
+        _dump_rows(pickler, index)
+    return out.getvalue()
+
+
+def _dump_rows(pickler: pickle.Pickler, index: LayerIndex) -> None:
     entries = index.entries
     pickler.dump((index.format, tuple(index.blobs), index.landmark.value, tuple(index.prefetch), index.toc_digest,
                   len(entries)))
     for start in range(0, len(entries), _BATCH):
         pickler.dump(tuple(_entry_row(e) for e in entries[start:start + _BATCH]))
-    return out.getvalue()
 
 
 def dump_index_json(index: LayerIndex) -> bytes:
@@ -198,7 +204,8 @@ def load_index(data: bytes, *, max_size: int = DEFAULT_MAX_SIZE) -> LayerIndex:
     if len(data) > max_size:
         raise LimitExceeded(f"persisted index is {len(data)} bytes, over the limit of {max_size}")
     if data.startswith(MAGIC):
-        return _load_v2(data)
+        with gc_paused():
+            return _load_v2(data)
     try:
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:

@@ -31,6 +31,7 @@ from typing import Any
 from snapshotter.errors import FormatError, LimitExceeded
 from snapshotter.formats import rafs_layout as L
 from snapshotter.formats.index import Chunk, Compression, Entry, EntryType, LayerIndex, check_chunks
+from snapshotter.gcpause import gc_paused
 
 __all__ = [
     "RAFS_MAX_CHUNK_SIZE",
@@ -495,7 +496,8 @@ def parse_bootstrap(data: bytes, *, max_bootstrap_bytes: int, ci_arrays: Mapping
     """
     info = read_bootstrap_info(data, max_bootstrap_bytes=max_bootstrap_bytes)
     reader = _Reader(data, info, ci_arrays, blob_digests)
-    entries, first_name, ranges = reader.walk()
+    with gc_paused():  # about ten objects per entry and no cycles
+        entries, first_name, ranges = reader.walk()
     index_of = {e.name: i for i, e in enumerate(entries)}
     prefetch: list[str] = []
     emitted: set[int] = set()

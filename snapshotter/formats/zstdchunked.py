@@ -92,6 +92,7 @@ from snapshotter.formats.toc_fields import (
     str_field,
     xattrs_field,
 )
+from snapshotter.gcpause import gc_paused
 
 FORMAT_NAME = "zstd:chunked"
 SKIPPABLE_MAGIC = b"\x50\x2a\x4d\x18"
@@ -511,22 +512,23 @@ def parse_manifest(compressed: bytes, *, blob_size: int, layer_digest: str, max_
     data = _bounded_unzstd(compressed, max_toc_bytes, what)
     if position is not None and len(data) != position.uncompressed_size:
         raise FormatError(f"{what}: decompresses to {len(data)} bytes, position says {position.uncompressed_size}")
-    doc = _load_json(data, what)
-    raws = doc.get("entries") or []
-    if position is not None:
-        layout = position.layout
-        data_end = position.offset - SKIPPABLE_HEADER
-    else:
-        guessed = "tarSplitDigest" in doc or any(isinstance(r, dict) and "endOffset" in r for r in raws)
-        layout = Layout.CONTAINERS if guessed else Layout.STARGZ
-        data_end = blob_size - STARGZ_FOOTER_SIZE - SKIPPABLE_HEADER - len(compressed) \
-            if layout is Layout.STARGZ else blob_size
-    if data_end < 0 or data_end > blob_size:
-        raise FormatError(f"{what}: data area [0, {data_end}) does not fit a {blob_size}-byte blob")
-    entries, landmark, prefetch = index_from_toc(raws, data_end=data_end, what=what)
-    toc_digest = checksum if layout is Layout.CONTAINERS else "sha256:" + hashlib.sha256(data).hexdigest()
-    return LayerIndex(format=FORMAT_NAME, entries=tuple(entries), blobs=(layer_digest,), landmark=landmark,
-                      prefetch=tuple(prefetch), toc_digest=toc_digest)
+    with gc_paused():  # about ten objects per entry and no cycles
+        doc = _load_json(data, what)
+        raws = doc.get("entries") or []
+        if position is not None:
+            layout = position.layout
+            data_end = position.offset - SKIPPABLE_HEADER
+        else:
+            guessed = "tarSplitDigest" in doc or any(isinstance(r, dict) and "endOffset" in r for r in raws)
+            layout = Layout.CONTAINERS if guessed else Layout.STARGZ
+            data_end = blob_size - STARGZ_FOOTER_SIZE - SKIPPABLE_HEADER - len(compressed) \
+                if layout is Layout.STARGZ else blob_size
+        if data_end < 0 or data_end > blob_size:
+            raise FormatError(f"{what}: data area [0, {data_end}) does not fit a {blob_size}-byte blob")
+        entries, landmark, prefetch = index_from_toc(raws, data_end=data_end, what=what)
+        toc_digest = checksum if layout is Layout.CONTAINERS else "sha256:" + hashlib.sha256(data).hexdigest()
+        return LayerIndex(format=FORMAT_NAME, entries=tuple(entries), blobs=(layer_digest,), landmark=landmark,
+                          prefetch=tuple(prefetch), toc_digest=toc_digest)
 
 
 # ---------------------------------------------------------------------------------------------

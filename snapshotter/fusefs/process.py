@@ -57,6 +57,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
@@ -75,6 +76,7 @@ from snapshotter.fusefs.ops import FsConfig, LayerReader, LazyOperations, ReadRe
 from snapshotter.fusefs.prefetch import Prefetcher, PrefetchSettings
 from snapshotter.fusefs.stats import run_stats_writer
 from snapshotter.fusefs.tree import DEFAULT_OPAQUE_XATTRS, MountTree, build_tree
+from snapshotter.gcpause import gc_paused
 from snapshotter.mountinfo import mount_device
 
 log = logging.getLogger(__name__)
@@ -180,6 +182,7 @@ def parse_state(data: bytes, what: str = "state file") -> MountState:
 
 def load_tree(state: MountState) -> MountTree:
     """Load every run's persisted indexes and merge them. FormatError / OSError name the file."""
+    began = time.monotonic()
     runs: list[list[LayerIndex]] = []
     for run in state.runs:
         indexes = []
@@ -190,7 +193,11 @@ def load_tree(state: MountState) -> MountTree:
             except FormatError as exc:
                 raise FormatError(f"layer index {spec.index_path} ({spec.digest or 'no digest'}): {exc}") from None
         runs.append(indexes)
-    return build_tree(runs, subtrees=state.subtrees, opaque_xattrs=state.opaque_xattrs, bare_runs=state.bare_runs)
+    loaded = time.monotonic()
+    tree = build_tree(runs, subtrees=state.subtrees, opaque_xattrs=state.opaque_xattrs, bare_runs=state.bare_runs)
+    log.info("event=tree_built layers=%d inodes=%d load_seconds=%.3f build_seconds=%.3f",
+             len(tree.layers), len(tree), loaded - began, time.monotonic() - loaded)
+    return tree
 
 
 # ---------------------------------------------------------------------------------------------
@@ -488,11 +495,8 @@ def main(argv: Sequence[str] | None = None, *, reader_kinds: Mapping[str, Reader
             return 0  # the daemon stopped before it needed this process
     try:
         state = parse_state(Path(state_file).read_bytes(), state_file)
-        gc.disable()  # building creates ~10 objects per entry and no cycles: no collection passes meanwhile
-        try:
+        with gc_paused():
             tree = load_tree(state)
-        finally:
-            gc.enable()
         gc.freeze()  # the tree lives as long as the process: later collections need not scan it
     except (OSError, SnapshotterError) as exc:
         log.error("%s", exc)
