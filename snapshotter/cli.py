@@ -17,9 +17,9 @@ Command = Callable[[argparse.Namespace], int]
 def _serve(args: argparse.Namespace) -> int:
     from snapshotter import daemon
     from snapshotter.logs import setup_logging
-    from snapshotter.memory import tune_malloc
+    from snapshotter.memory import DAEMON, tune_malloc
 
-    tune_malloc()  # before gRPC starts its threads
+    tune_malloc(DAEMON)  # before gRPC starts its threads
 
     config = load_config(args.config, required=args.config is not None)
     overrides: dict[str, object] = {}

@@ -470,9 +470,9 @@ def main(argv: Sequence[str] | None = None, *, reader_kinds: Mapping[str, Reader
     parser.add_argument("--log-format", choices=["text", "json"], default="text",
                         help="text (key=value) or json, as the daemon's log_format")
     args = parser.parse_args(argv)
-    from snapshotter.memory import tune_malloc
+    from snapshotter.memory import MOUNT_PROCESS, tune_malloc
 
-    tune_malloc()  # before trio starts worker threads
+    tune_malloc(MOUNT_PROCESS)  # before trio starts worker threads
     if (args.state_file is None) != args.spare:
         parser.error("give a state file, or --spare (not both)")
     from snapshotter.logs import setup_logging
