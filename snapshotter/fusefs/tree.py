@@ -196,7 +196,7 @@ class MountTree:
 # Building
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _B:
     """A mutable node while merging."""
 
@@ -215,6 +215,11 @@ class _B:
     children: dict[str, _B] = field(default_factory=dict)
     whiteout: bool = False
     hides_below: bool = False
+    # Filled in by _freeze: the inode number (0: not yet), how many names reach the node, and a
+    # directory's child names in readdir order.
+    inode: int = 0
+    names_seen: int = 0
+    sorted_names: tuple[str, ...] = ()
 
     @property
     def is_real_dir(self) -> bool:
@@ -351,40 +356,39 @@ def _freeze(roots: list[_B], subtrees: bool, opaque_xattrs: Sequence[str],
         top.children = {str(i): r for i, r in enumerate(roots)}
     else:
         top = roots[0]
-    inode_of: dict[int, int] = {}
     order: list[tuple[_B, str, int, bool]] = []  # (node, first path, parent inode, marked) in inode order
-    names_seen: dict[int, int] = {}
     next_inode = ROOT_INODE
     stack: list[tuple[_B, str, int, bool]] = [(top, "", ROOT_INODE, subtrees)]
     while stack:
         b, path, parent, marked = stack.pop()
-        key = id(b)
-        names_seen[key] = names_seen.get(key, 0) + 1
-        if key in inode_of:
+        b.names_seen += 1
+        if b.inode:
             continue
-        inode_of[key] = next_inode
-        order.append((b, path, parent, marked))
-        me = next_inode
+        me = b.inode = next_inode
         next_inode += 1
-        if b.is_real_dir:
-            for name in sorted(b.children, key=os.fsencode, reverse=True):
+        order.append((b, path, parent, marked))
+        if b.type is EntryType.DIR and not b.whiteout:  # b.is_real_dir, without the call
+            names = b.sorted_names = tuple(sorted(b.children, key=os.fsencode))
+            kids = b.children
+            prefix = f"{path}/" if path else ""
+            for name in reversed(names):
                 child_marked = marked and not (b is top and subtrees and int(name) in bare_runs)
-                stack.append((b.children[name], f"{path}/{name}" if path else name, me, child_marked))
+                stack.append((kids[name], prefix + name, me, child_marked))
 
     nodes: dict[int, Node] = {}
     file_bytes = 0
     has_xattrs = False
     opaque_values = {x: OPAQUE_VALUE for x in opaque_xattrs}
     for b, path, parent, marked in order:
-        inode = inode_of[id(b)]
-        if b.is_real_dir:
-            names = tuple(sorted(b.children, key=os.fsencode))
+        inode = b.inode
+        if b.type is EntryType.DIR and not b.whiteout:
+            names = b.sorted_names
             children = {}
             nlink = 2
             for n in names:
                 c = b.children[n]
-                children[n] = inode_of[id(c)]
-                if c.type is EntryType.DIR and not c.whiteout:  # c.is_real_dir, without the call
+                children[n] = c.inode
+                if c.type is EntryType.DIR and not c.whiteout:
                     nlink += 1
             opaque = marked and b.hides_below and bool(opaque_xattrs) and path != ""
             xattrs = b.xattrs
@@ -392,7 +396,7 @@ def _freeze(roots: list[_B], subtrees: bool, opaque_xattrs: Sequence[str],
                 xattrs = MappingProxyType({**b.xattrs, **opaque_values})
         else:
             names, children, opaque, xattrs = (), {}, False, b.xattrs
-            nlink = names_seen[id(b)]
+            nlink = b.names_seen
             if b.type is EntryType.REG:
                 file_bytes += b.size
         if xattrs:
