@@ -66,6 +66,9 @@ class Config:
         "doc": "seconds to resolve a lazy layer before falling back"})
     fetch_timeout: float = field(default=60.0, metadata={"doc": "seconds a read waits for a chunk before EIO"})
     prefetch_timeout: float = field(default=10.0, metadata={"doc": "seconds container start waits for prefetch"})
+    resolve_ahead: bool = field(default=True, metadata={
+        "doc": "when a layer is pulled lazily, resolve the image's layers above it at the same time (containerd "
+               "prepares them one after another)"})
     mount_on_pull: bool = field(default=True, metadata={
         "doc": "start an image's mount when its last layer is pulled lazily, before its first container asks "
                "(stopped again when no container uses it within 60 s)"})

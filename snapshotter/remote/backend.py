@@ -45,6 +45,7 @@ from snapshotter.remote.labels import (
     claimed_layer,
     layer_ref_from_labels,
 )
+from snapshotter.remote.resolve_ahead import ResolveAhead
 from snapshotter.remote.resolve_loop import ResolveLoop
 from snapshotter.remote.resolver import NotLazy, ResolvedLayer, resolve_layer
 from snapshotter.remote.settings import fetch_config_from
@@ -119,17 +120,24 @@ class RemoteBackend:
         # One event loop and registry client for every resolve: connections, tokens and what
         # was learned of each host carry over from layer to layer (remote/resolve_loop.py).
         self.resolve_loop = ResolveLoop(fetch_config_from(config))
+        # The layers above one being prepared are resolved meanwhile (remote/resolve_ahead.py).
+        self.ahead = ResolveAhead(self._resolve_now, lambda digest: self.layers.meta(digest) is not None)
         snapshotter.set_lowers(self.lowers)
 
     def close(self) -> None:
-        """Stop the resolve loop (the daemon is stopping)."""
+        """Stop the resolve loop (the daemon is stopping); resolves ahead end with it."""
         self.resolve_loop.close()
+        self.ahead.close()
 
     # -- remote prepare -----------------------------------------------------------------------
 
     def _resolve(self, ref: LayerRef) -> tuple[str, int, int]:
         """Resolve (or reuse) the layer's index; return (format, bytes fetched, metadata bytes
-        the format needed). Raises on failure."""
+        the format needed). Raises on failure. A resolve of it ahead, if running, ends first."""
+        self.ahead.wait(ref.layer_digest, self.config.resolve_timeout)
+        return self._resolve_now(ref)
+
+    def _resolve_now(self, ref: LayerRef) -> tuple[str, int, int]:
         meta = self.layers.meta(ref.layer_digest)
         if meta is not None and (ref.toc_digest is None or meta.toc_digest in (None, ref.toc_digest)):
             return meta.format, 0, 0
@@ -156,6 +164,8 @@ class RemoteBackend:
             ref = layer_ref_from_labels(labels)
             if ref is None:
                 return False
+            if self.config.resolve_ahead:
+                self.ahead.start(ref)
             fmt, fetched, needed = self._resolve(ref)
         except Exception as exc:  # every failure of a lazy layer is a fallback, never a failed pull
             seconds = time.monotonic() - start

@@ -141,6 +141,64 @@ def test_the_last_layer_of_an_image_is_mounted_ahead(registry: RegistryProcess,
     assert mounter.ahead[top_id] is True and mounter.bare[top_id] == (0,)
 
 
+def _wait_stored(be: RemoteBackend, digests: list[str], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(be.layers.meta(d) is not None for d in digests):
+        assert time.monotonic() < deadline, f"not resolved ahead within {timeout}s: {digests}"
+        time.sleep(0.02)
+
+
+def test_layers_above_the_one_prepared_are_resolved_ahead(registry: RegistryProcess,
+                                                          backend: tuple[RemoteBackend, FakeMounter],
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """The first layer's Prepare lists the layers above it: they are resolved meanwhile, and their
+    own Prepares need no registry request; a TOC digest label is still checked against them."""
+    be, _ = backend
+    caplog.set_level(logging.INFO)
+    blobs = [_estargz({f"f{i}": bytes([65 + i]) * 1000}) for i in range(3)]
+    image = push_image(registry.url, "lazy/three", "v1", [b for b, _ in blobs])
+    l1, l2, l3 = image.layers
+    with pytest.raises(AlreadyExists):
+        be.prepare("default/1/extract-1", "", _labels(image.ref, l1, "sha256:t1", **{
+            "containerd.io/snapshot/cri.image-layers": f"{l1},{l2},{l3}"}))
+    _wait_stored(be, [l2, l3])
+    gets = registry.log_path.read_text().count("GET")
+    with pytest.raises(AlreadyExists):
+        be.prepare("default/1/extract-2", "sha256:t1", _labels(image.ref, l2, "sha256:t2", **{
+            "containerd.io/snapshot/cri.image-layers": f"{l2},{l3}",
+            "containerd.io/snapshot/stargz/toc.digest": blobs[1][1]}))
+    assert registry.log_path.read_text().count("GET") == gets
+    assert be.stat("sha256:t2").kind is Kind.COMMITTED
+    # Layer 3's label names another TOC digest than the one stored ahead: resolved again, refused.
+    wrong = "sha256:" + "0" * 64
+    be.prepare("default/1/extract-3", "sha256:t2", _labels(image.ref, l3, "sha256:t3", **{
+        "containerd.io/snapshot/cri.image-layers": l3, "containerd.io/snapshot/stargz/toc.digest": wrong}))
+    (line,) = _fallback_lines(caplog)
+    assert l3 in line and "reason=toc_digest_mismatch" in line, line
+
+
+def test_a_layer_failing_ahead_falls_back_once_on_its_own_prepare(registry: RegistryProcess,
+                                                                  backend: tuple[RemoteBackend, FakeMounter],
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    be, _ = backend
+    caplog.set_level(logging.INFO)
+    image = push_image(registry.url, "lazy/mixed", "v1", [_estargz({"a": b"a"})[0], gzip.compress(_tar({"b": b"b"}))])
+    low, plain = image.layers
+    with pytest.raises(AlreadyExists):
+        be.prepare("default/1/extract-1", "", _labels(image.ref, low, "sha256:m1", **{
+            "containerd.io/snapshot/cri.image-layers": f"{low},{plain}"}))
+    deadline = time.monotonic() + 10
+    while not any("event=resolve_ahead_failed" in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < deadline, "the resolve ahead of the plain layer did not end"
+        time.sleep(0.02)
+    assert _fallback_lines(caplog) == []  # ahead, a failure is only noted
+    mounts = be.prepare("default/1/extract-2", "sha256:m1", _labels(image.ref, plain, "sha256:m2", **{
+        "containerd.io/snapshot/cri.image-layers": plain}))
+    assert mounts and be.stat("default/1/extract-2").kind is Kind.ACTIVE
+    (line,) = _fallback_lines(caplog)
+    assert plain in line and "reason=not_lazy" in line
+
+
 def _fallback_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "event=fallback" in
             r.getMessage()]

@@ -1,0 +1,96 @@
+"""Resolving an image's later layers while containerd prepares an earlier one.
+
+containerd's unpacker prepares an image's layers one after another, each Prepare waiting for the
+one before, so lazily resolving N layers costs N times (round trips + TOC parse). The labels of a
+layer's Prepare name it and every layer above it (`cri.image-layers`, or stargz's `layers`): once
+the first Prepare arrives, the others can be resolved at the same time, and their own Prepares
+find the index ready (stargz-snapshotter pre-resolves the same way).
+
+A layer resolved ahead is resolved without its own labels: no expected TOC digest (its Prepare
+checks the stored digest against its label, and resolves again on a mismatch) and no Nydus
+markers (Nydus layers are not lazily readable without them; resolving ahead skips them). A failure
+ahead is only logged: the layer's own Prepare resolves it (or falls back) as if nothing happened.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from snapshotter.remote.labels import LayerRef
+
+log = logging.getLogger(__name__)
+
+MAX_AHEAD = 32  # layers resolved ahead per Prepare; longer lists are rare and cut off here
+
+
+class ResolveAhead:
+    """Thread-safe. `resolve(ref)` is the backend's own resolve-and-store of one layer."""
+
+    def __init__(self, resolve: Callable[[LayerRef], object], is_known: Callable[[str], bool], *,
+                 workers: int = 2) -> None:
+        self._resolve = resolve
+        self._is_known = is_known
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="resolve-ahead")
+        self._lock = threading.RLock()  # a done callback may run at once, in start(), under it
+        self._running: dict[str, Future[None]] = {}
+        self._closed = False
+
+    def start(self, ref: LayerRef) -> list[str]:
+        """Resolve in the background the layers `ref.image_layers` lists above `ref`'s own that are
+        neither stored nor being resolved; returns their digests."""
+        if ref.nydus_blob or ref.nydus_bootstrap:
+            return []
+        later = [d for d in ref.image_layers if d != ref.layer_digest][:MAX_AHEAD]
+        started: list[str] = []
+        with self._lock:
+            if self._closed:
+                return []
+            for i, digest in enumerate(later):
+                if digest in self._running or self._is_known(digest):
+                    continue
+                ahead = dataclasses.replace(ref, layer_digest=digest, image_layers=tuple(later[i:]),
+                                            toc_digest=None)
+                future = self._pool.submit(self._one, ahead)
+                self._running[digest] = future
+                future.add_done_callback(self._forget)
+                started.append(digest)
+        return started
+
+    def wait(self, layer_digest: str, timeout: float) -> None:
+        """If `layer_digest` is being resolved ahead, wait for that to end (at most `timeout` s)."""
+        with self._lock:
+            future = self._running.get(layer_digest)
+        if future is None:
+            return
+        try:
+            future.result(timeout)
+        except FutureTimeout:
+            log.info("event=resolve_ahead_slow layer=%s waited=%.1f", layer_digest, timeout)
+
+    def close(self) -> None:
+        """Drop what has not started; wait for what has (each is bounded by resolve_timeout)."""
+        with self._lock:
+            self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _one(self, ref: LayerRef) -> None:
+        if self._is_known(ref.layer_digest):
+            return
+        try:
+            self._resolve(ref)
+        except Exception as exc:  # its own Prepare resolves it again, or falls back
+            log.info("event=resolve_ahead_failed image=%s layer=%s error=%r", ref.image_ref, ref.layer_digest,
+                     str(exc))
+        else:
+            log.debug("event=resolved_ahead image=%s layer=%s", ref.image_ref, ref.layer_digest)
+
+    def _forget(self, future: Future[None]) -> None:
+        with self._lock:
+            for digest, running in list(self._running.items()):
+                if running is future:
+                    del self._running[digest]
