@@ -404,6 +404,37 @@ class RegistryClient:
         async with self._budget.hold(length):
             return await self._read_single(r, digest, br)
 
+    async def read_tail(self, repo: Reference | str, digest: str, length: int) -> tuple[bytes, int]:
+        """(the last `length` bytes of blob `digest`, or all of it when shorter; the blob's size),
+        in one round trip: a suffix range (`Range: bytes=-N`) answered with a Content-Range that
+        gives the size. A server that answers it otherwise costs a HEAD and a plain range read."""
+        if length <= 0:
+            raise ValueError(f"bad tail length {length}")
+        r = _as_ref(repo)
+        ctx = _Ctx(r, "blob", digest, f"last {length} bytes")
+
+        async def on_get(resp: httpx.Response, host: RegistryHost) -> tuple[bytes, int] | None:
+            if resp.status_code != 206:
+                if resp.status_code in (200, 416):
+                    return None  # no suffix ranges here (200: the whole blob; not read)
+                self._check_status(resp, ctx)
+                raise _AttemptError(f"unexpected status {resp.status_code} for a range request",
+                                    retryable=True, status=resp.status_code)
+            self.stats.range_requests += 1
+            got, total = self._content_range(resp)
+            if total is None or got.end != total or got.length > length:
+                return None  # not the suffix asked for; read it the plain way
+            return await self._read_body(resp, got.length, ctx, exact=got.length), total
+
+        async with self._budget.hold(length):
+            answer = await self._request(ctx, "GET", PULL, {"Range": f"bytes=-{length}"}, on_get)
+        if answer is not None:
+            return answer
+        log.info("%s: no suffix range answer; asking for the size first", ctx.describe())
+        size = await self.blob_size(r, digest)
+        n = min(size, length)
+        return await self.read_range(r, digest, size - n, n), size
+
     async def read_ranges(self, repo: Reference | str, digest: str,
                           ranges: Sequence[tuple[int, int]]) -> list[bytes]:
         """Bytes of each (offset, length) in `ranges`, in the given order.

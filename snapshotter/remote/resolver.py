@@ -1,7 +1,8 @@
 """Resolve a layer lazily: from (image, layer digest) to its LayerIndex, with few round trips.
 
-Order of requests for one layer: HEAD the blob (size), GET the last TAIL_BYTES (which hold the
-footer and, for most layers, the whole TOC), GET the TOC range if the tail did not hold it. The
+Order of requests for one layer: GET the last TAIL_BYTES (a suffix range, whose answer also gives
+the blob's size; they hold the footer and, for most layers, the whole TOC), then GET the TOC range
+if the tail did not hold it. The
 footer decides the format: eStargz (51-byte footer), legacy stargz (47), zstd:chunked (either
 layout). Nydus layers are told apart by their labels: a data blob layer needs only its size, the
 bootstrap layer (small) is fetched whole. Anything else is `NotLazy`, and the caller falls back to
@@ -78,14 +79,13 @@ async def resolve_layer(client: RegistryClient, ref: LayerRef, *, max_toc_bytes:
                         max_bootstrap_bytes: int = 1 << 30) -> ResolvedLayer:
     """Fetch and parse the layer's TOC (or Nydus bootstrap). Raises NotLazy, FormatError /
     DigestMismatch / LimitExceeded, or FetchError."""
-    size = await client.blob_size(ref.image_ref, ref.layer_digest)
     if ref.nydus_blob or ref.nydus_bootstrap:
+        size = await client.blob_size(ref.image_ref, ref.layer_digest)
         return await _resolve_nydus(client, ref, size, max_bootstrap_bytes=max_bootstrap_bytes)
+    tail, size = await client.read_tail(ref.image_ref, ref.layer_digest, TAIL_BYTES)
     if size < estargz.LEGACY_FOOTER_SIZE:
         raise NotLazy(f"layer {ref.layer_digest} is only {size} bytes: no lazy-format footer")
-    tail_len = min(size, TAIL_BYTES)
-    tail_start = size - tail_len
-    tail = await client.read_range(ref.image_ref, ref.layer_digest, tail_start, tail_len)
+    tail_start = size - len(tail)
 
     try:
         footer = estargz.parse_footer(tail[-estargz.FOOTER_SIZE:])

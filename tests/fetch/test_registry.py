@@ -13,6 +13,7 @@ from snapshotter.errors import FetchError
 from snapshotter.fetch import RegistryClient, RegistryError, parse_reference
 from snapshotter.formats.index import Chunk, Compression
 from tests.fetch.conftest import FAST
+from tests.fetch.proxies import BlobServer, RegistryProxy
 from tests.fetch.registry import OCI_MANIFEST, PushedImage, RegistryProcess
 
 
@@ -57,6 +58,45 @@ def test_blob_size_and_ranges(image: PushedImage, big_layer: tuple[str, bytes]) 
             assert await c.read_chunks(image.ref, digest, chunks) == [data[500:510], data[510:517]]
 
     trio.run(main)
+
+
+def test_tail_and_size_in_one_request(image: PushedImage, big_layer: tuple[str, bytes],
+                                      origin: RegistryProcess) -> None:
+    """A suffix range gives the last bytes and, in its Content-Range, the blob's size: one GET,
+    no HEAD. Asking for more than the blob holds gives all of it."""
+    digest, data = big_layer
+    small = min(image.layers, key=lambda d: len(image.layers[d]))
+
+    async def main() -> None:
+        async with RegistryClient(FAST) as c:
+            before = origin.log_path.read_text()
+            assert await c.read_tail(image.ref, digest, 65536) == (data[-65536:], len(data))
+            log = origin.log_path.read_text()[len(before):]
+            assert log.count(f"GET /v2/{image.repository}/blobs/{digest}") == 1, log
+            assert f"HEAD /v2/{image.repository}/blobs/{digest}" not in log
+            whole = image.layers[small]
+            assert await c.read_tail(image.ref, small, len(whole) + 1000) == (whole, len(whole))
+
+    trio.run(main)
+
+
+def test_tail_from_storage_without_suffix_ranges(image: PushedImage, big_layer: tuple[str, bytes],
+                                                 origin: RegistryProcess, caplog: pytest.LogCaptureFixture) -> None:
+    """Blob storage that answers a suffix range with the whole blob (200): that body is not read;
+    a HEAD and a plain range read give the same answer."""
+    digest, data = big_layer
+    caplog.set_level(logging.INFO, logger="snapshotter.fetch")
+    with BlobServer(image.layers) as storage, RegistryProxy(origin.url, redirect_blobs_to=storage.url) as p:
+        ref = f"{p.host}/{image.repository}"
+
+        async def main() -> None:
+            async with RegistryClient(FAST) as c:
+                assert await c.read_tail(ref, digest, 1000) == (data[-1000:], len(data))
+
+        trio.run(main)
+        assert [r.status for r in storage.requests] == [200, 206]
+        assert [r.method for r in p.requests if "/blobs/" in r.path] == ["GET", "HEAD", "GET"]
+    assert "no suffix range answer" in caplog.text
 
 
 def test_merging_cuts_requests(image: PushedImage, big_layer: tuple[str, bytes]) -> None:
