@@ -156,7 +156,7 @@ def _name(raw: str) -> str:
     return normalize_name(raw)
 
 
-@dataclass
+@dataclass(slots=True)
 class _RawChunk:
     file_offset: int
     size: int  # 0: to the end of the file
@@ -165,32 +165,31 @@ class _RawChunk:
     digest: str | None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pending:
-    """An entry being built (Entry keyword arguments); reg files collect their chunks here."""
+    """An entry being built: Entry's fields but nlink and chunks, as attributes (a big TOC holds
+    100k of these at once, and reads their name and type several times each); regular files
+    collect their raw chunks here."""
 
-    fields: dict[str, Any]
+    name: str
+    type: EntryType
+    mode: int
+    uid: int
+    gid: int
+    mtime_ns: int
+    size: int
+    link_target: str
+    dev_major: int
+    dev_minor: int
+    xattrs: Mapping[str, bytes]
+    digest: str | None
     chunks: list[_RawChunk] = field(default_factory=list)
 
-    @property
-    def name(self) -> str:
-        name: str = self.fields["name"]
-        return name
-
-    @property
-    def type(self) -> EntryType:
-        type_: EntryType = self.fields["type"]
-        return type_
-
-    @property
-    def size(self) -> int:
-        size: int = self.fields["size"]
-        return size
-
-    @property
-    def link_target(self) -> str:
-        link: str = self.fields["link_target"]
-        return link
+    def entry(self, nlink: int, chunks: tuple[Chunk, ...] = ()) -> Entry:
+        return Entry(name=self.name, type=self.type, mode=self.mode, uid=self.uid, gid=self.gid,
+                     mtime_ns=self.mtime_ns, size=self.size, link_target=self.link_target,
+                     dev_major=self.dev_major, dev_minor=self.dev_minor, xattrs=self.xattrs, nlink=nlink,
+                     digest=self.digest, chunks=chunks)
 
 
 def _data_chunk(raw: Mapping[str, Any], what: str) -> _RawChunk:
@@ -230,14 +229,14 @@ def _finish_chunks(p: _Pending, offsets: list[int], toc_offset: int, what: str) 
                               f"{rc.inner_offset + size} bytes from only {blob_size} compressed bytes")
         digest = rc.digest
         if digest is None and len(p.chunks) == 1:
-            digest = e.fields["digest"]  # a single-chunk file: the file digest is the chunk digest
+            digest = e.digest  # a single-chunk file: the file digest is the chunk digest
         out.append(Chunk(file_offset=rc.file_offset, size=size, blob_offset=rc.blob_offset,
                          blob_size=blob_size, compression=Compression.GZIP, digest=digest,
                          inner_offset=rc.inner_offset))
     return tuple(out)
 
 
-def _entry(raw: Mapping[str, Any], type_: EntryType, name: str, what: str) -> dict[str, Any]:
+def _entry(raw: Mapping[str, Any], type_: EntryType, name: str, what: str) -> _Pending:
     link = str_field(raw, "linkName", what)
     if type_ is EntryType.HARDLINK:
         link = normalize_name(link, allow_root=False)
@@ -254,13 +253,12 @@ def _entry(raw: Mapping[str, Any], type_: EntryType, name: str, what: str) -> di
             and 0 <= uid <= _MAX_ID and 0 <= gid <= _MAX_ID):  # else the field readers say what is wrong
         mode, uid, gid = int_field(raw, "mode", what), int_field(raw, "uid", what, hi=_MAX_ID), \
             int_field(raw, "gid", what, hi=_MAX_ID)
-    return dict(
-        name=name, type=type_, mode=mode & 0o7777, uid=uid, gid=gid,
-        mtime_ns=mtime_ns_field(raw, what), size=size, link_target=link,
-        dev_major=int_field(raw, "devMajor", what, hi=_MAX_ID) if dev else 0,
-        dev_minor=int_field(raw, "devMinor", what, hi=_MAX_ID) if dev else 0,
-        xattrs=xattrs_field(raw, what),
-        digest=digest_field(raw, "digest", what) if type_ is EntryType.REG else None,
+    return _Pending(
+        name, type_, mode & 0o7777, uid, gid, mtime_ns_field(raw, what), size, link,
+        int_field(raw, "devMajor", what, hi=_MAX_ID) if dev else 0,
+        int_field(raw, "devMinor", what, hi=_MAX_ID) if dev else 0,
+        xattrs_field(raw, what),
+        digest_field(raw, "digest", what) if type_ is EntryType.REG else None,
     )
 
 
@@ -351,7 +349,7 @@ def _build(raws: list[Any], what: str, layer_digest: str, toc_offset: int, toc_d
             raise FormatError(f"{ewhat}: listed twice")
         if name == "" and type_ is not EntryType.DIR:
             raise FormatError(f"{ewhat}: the root must be a directory, not {kind}")
-        p = _Pending(_entry(raw, type_, name, ewhat))
+        p = _entry(raw, type_, name, ewhat)
         pending.append(p)
         by_name[name] = p
         last_reg = None
@@ -422,13 +420,13 @@ def _build(raws: list[Any], what: str, layer_digest: str, toc_offset: int, toc_d
         else:
             nlink = group_size.get(resolved.get(p.name, p.name), 1)
         if p.type is EntryType.REG:
-            e = Entry(**p.fields, nlink=nlink, chunks=_finish_chunks(p, sorted_offsets, toc_offset, what))
+            e = p.entry(nlink, _finish_chunks(p, sorted_offsets, toc_offset, what))
             try:
                 check_chunks(e)
             except FormatError as exc:
                 raise FormatError(f"{what}: {exc}") from None
         else:
-            e = Entry(**p.fields, nlink=nlink)
+            e = p.entry(nlink)
         entries.append(e)
         if not seen_landmark and e.type is EntryType.REG:
             if e.name == PREFETCH_LANDMARK:
