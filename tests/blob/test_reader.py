@@ -307,6 +307,10 @@ def test_sequential_reads_of_cached_chunks_start_their_disk_reads_ahead(blob: Bu
     async def main() -> None:
         async with open_layer_reader(source, blobs=[LAYER], cache=cache, config=None) as reader:
             await reader.prefetch(entry)
+            keys = {reader.key_for(c) for c in entry.chunks}
+            with trio.fail_after(10):  # the cache writes finish in the background
+                while cache.present(keys) != keys:
+                    await trio.sleep(0.01)
         fetched = len(source.calls)
         async with open_layer_reader(source, blobs=[LAYER], cache=cache, config=config) as reader:
             step = 32 << 10
