@@ -44,12 +44,12 @@ def test_daemon_sigkill_during_lazy_pull(flab: FaultLab) -> None:
     pushed = imagekit.push_lazy(flab.registry, "kill-pull", imagekit.data_files(seed=41, count=1))
     layer = f"/blobs/{pushed.data_layer}"
     # Resolve requests hang for a while: the daemon is inside Prepare when it dies.
-    flab.proxy.add(Rule("delay", path=layer, method="HEAD", seconds=3.0))
+    flab.proxy.add(Rule("delay", path=layer, method="GET", seconds=3.0))
     argv = ["ctr-remote", "--address", str(flab.lab.containerd_socket), "-n", flab.lab.namespace, "image", "rpull",
             "--plain-http", "--snapshotter", "lazy", pushed.ref]
     pull = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=flab.lab.env, text=True)
     try:
-        wait_until("the daemon to resolve the layer", lambda: bool(flab.proxy.seen(layer, method="HEAD")), 30)
+        wait_until("the daemon to resolve the layer", lambda: bool(flab.proxy.seen(layer, method="GET")), 30)
         flab.restart_daemon(signal.SIGKILL)
         out, _ = pull.communicate(timeout=60)
     finally:
