@@ -38,6 +38,7 @@ from snapshotter.fetch.auth import AuthError
 from snapshotter.fetch.client import RegistryClient, counting_bytes
 from snapshotter.fetch.reference import parse_reference
 from snapshotter.reader import chunk_key
+from snapshotter.remote.claims import LayerClaims
 from snapshotter.remote.labels import (
     REMOTE_LABEL,
     TARGET_SNAPSHOT_REF,
@@ -121,7 +122,8 @@ class RemoteBackend:
         # was learned of each host carry over from layer to layer (remote/resolve_loop.py).
         self.resolve_loop = ResolveLoop(fetch_config_from(config))
         # The layers above one being prepared are resolved meanwhile (remote/resolve_ahead.py).
-        self.ahead = ResolveAhead(self._resolve_now, lambda digest: self.layers.meta(digest) is not None)
+        self.claims = LayerClaims()  # what GC keeps although no snapshot refers to it yet (claims.py)
+        self.ahead = ResolveAhead(self._resolve_ahead, lambda digest: self.layers.meta(digest) is not None)
         snapshotter.set_lowers(self.lowers)
 
     def close(self) -> None:
@@ -135,6 +137,10 @@ class RemoteBackend:
         """Resolve (or reuse) the layer's index; return (format, bytes fetched, metadata bytes
         the format needed). Raises on failure. A resolve of it ahead, if running, ends first."""
         self.ahead.wait(ref.layer_digest, self.config.resolve_timeout)
+        return self._resolve_now(ref)
+
+    def _resolve_ahead(self, ref: LayerRef) -> tuple[str, int, int]:
+        self.claims.resolved_ahead(ref.layer_digest)
         return self._resolve_now(ref)
 
     def _resolve_now(self, ref: LayerRef) -> tuple[str, int, int]:
@@ -159,23 +165,33 @@ class RemoteBackend:
 
     def _try_remote(self, target: str, parent: str, labels: Mapping[str, str]) -> bool:
         """True when the layer is now a committed remote snapshot named `target`."""
-        start = time.monotonic()
         try:
             ref = layer_ref_from_labels(labels)
-            if ref is None:
-                return False
+        except Exception as exc:
+            self._fall_back(labels, exc, 0.0)
+            return False
+        if ref is None:
+            return False
+        with self.claims.preparing(ref.layer_digest):
+            return self._try_remote_claimed(ref, target, parent, labels)
+
+    def _fall_back(self, labels: Mapping[str, str], exc: Exception, seconds: float) -> None:
+        reason = fallback_reason(exc)
+        image, layer = claimed_layer(labels)
+        log.warning("event=fallback image=%s layer=%s reason=%s seconds=%.3f error=%r",
+                    image, layer, reason, seconds, str(exc))
+        metrics.FALLBACKS.labels(reason).inc()
+        metrics.LAYER_PREPARES.labels("fallback", "").inc()
+        self._record_fallback(layer, image, reason, str(exc))
+
+    def _try_remote_claimed(self, ref: LayerRef, target: str, parent: str, labels: Mapping[str, str]) -> bool:
+        start = time.monotonic()
+        try:
             if self.config.resolve_ahead:
                 self.ahead.start(ref)
             fmt, fetched, needed = self._resolve(ref)
         except Exception as exc:  # every failure of a lazy layer is a fallback, never a failed pull
-            seconds = time.monotonic() - start
-            reason = fallback_reason(exc)
-            image, layer = claimed_layer(labels)
-            log.warning("event=fallback image=%s layer=%s reason=%s seconds=%.3f error=%r",
-                        image, layer, reason, seconds, str(exc))
-            metrics.FALLBACKS.labels(reason).inc()
-            metrics.LAYER_PREPARES.labels("fallback", "").inc()
-            self._record_fallback(layer, image, reason, str(exc))
+            self._fall_back(labels, exc, time.monotonic() - start)
             return False
         seconds = time.monotonic() - start
         metrics.RESOLVE_SECONDS.observe(seconds)
@@ -331,21 +347,23 @@ class RemoteBackend:
     def collect_garbage(self) -> None:
         """Drop what no remote snapshot references any more: persisted layer indexes and cached
         chunks (unpinned ones; a live mount pins what it is prefetching). Runs on Cleanup."""
-        referenced_layers: set[str] = set()
+        referenced: list[str] = []
+        with self.claims.lock:  # a layer is either still claimed by its Prepare or referenced here
+            claimed = self.claims.claimed()
+            for info in self.sn.walk([]):
+                ref = layer_ref_from_labels(info.labels) if REMOTE_LABEL in info.labels else None
+                if ref is not None:
+                    referenced.append(ref.layer_digest)
+            dropped_layers = self.layers.remove_unreferenced(set(referenced) | claimed)
         keys: set[str] = set()
-        for info in self.sn.walk([]):
-            ref = layer_ref_from_labels(info.labels) if REMOTE_LABEL in info.labels else None
-            if ref is None or ref.layer_digest in referenced_layers:
-                continue
-            referenced_layers.add(ref.layer_digest)
+        for digest in dict.fromkeys(referenced):
             try:
-                index = self.layers.load(ref.layer_digest)
+                index = self.layers.load(digest)
             except (OSError, FormatError) as exc:
-                log.warning("event=cache_gc_skipped layer=%s error=%r", ref.layer_digest, str(exc))
+                log.warning("event=cache_gc_skipped layer=%s error=%r", digest, str(exc))
                 return  # never drop chunks of a layer we could not read the index of
-            blobs = blob_digests(index, ref.layer_digest)
+            blobs = blob_digests(index, digest)
             keys.update(chunk_key(c, blobs) for e in index.regular_files() for c in e.chunks)
-        dropped_layers = self.layers.remove_unreferenced(referenced_layers)
         cache_dir = self.sn.root / "cache"
         if not cache_dir.exists():
             return
