@@ -177,36 +177,37 @@ def test_layers_above_the_one_prepared_are_resolved_ahead(registry: RegistryProc
     assert l3 in line and "reason=toc_digest_mismatch" in line, line
 
 
+def _pull_first_of_two(be: RemoteBackend, registry: RegistryProcess, repo: str, tag: str) -> tuple[str, str, str]:
+    """Push a two-layer eStargz image and prepare its lower layer only (the upper one is then
+    resolved ahead); returns (image ref, lower digest, upper digest) once the upper is stored."""
+    blobs = [_estargz({f"{tag}{i}": bytes([70 + i]) * 1000})[0] for i in range(2)]
+    image = push_image(registry.url, repo, "v1", blobs)
+    low, top = image.layers
+    with pytest.raises(AlreadyExists):
+        be.prepare(f"default/{tag}/extract-1", "", _labels(image.ref, low, f"sha256:{tag}1", **{
+            "containerd.io/snapshot/cri.image-layers": f"{low},{top}"}))
+    _wait_stored(be, [top])
+    return image.ref, low, top
+
+
 def test_cleanup_keeps_a_layer_resolved_ahead_until_its_prepare(registry: RegistryProcess,
                                                                    backend: tuple[RemoteBackend, FakeMounter]) -> None:
     """containerd sends Cleanup whenever its GC ran, e.g. in the middle of the next pull: an index
     saved ahead of its layer's Prepare (no snapshot refers to it yet) must survive it, or the
     snapshot made next would point at nothing. Unclaimed for longer than the grace, it goes."""
     be, _ = backend
-    blobs = [_estargz({f"g{i}": bytes([70 + i]) * 1000})[0] for i in range(2)]
-    image = push_image(registry.url, "lazy/gc-ahead", "v1", blobs)
-    low, top = image.layers
-    with pytest.raises(AlreadyExists):
-        be.prepare("default/1/extract-1", "", _labels(image.ref, low, "sha256:g1", **{
-            "containerd.io/snapshot/cri.image-layers": f"{low},{top}"}))
-    _wait_stored(be, [top])
+    ref, low, top = _pull_first_of_two(be, registry, "lazy/gc-ahead", "g")
     be.cleanup()
     assert be.layers.meta(top) is not None, "GC dropped an index its Prepare is about to use"
     gets = registry.log_path.read_text().count("GET")
     with pytest.raises(AlreadyExists):
-        be.prepare("default/1/extract-2", "sha256:g1", _labels(image.ref, top, "sha256:g2", **{
+        be.prepare("default/g/extract-2", "sha256:g1", _labels(ref, top, "sha256:g2", **{
             "containerd.io/snapshot/cri.image-layers": top}))
     assert registry.log_path.read_text().count("GET") == gets
     be.cleanup()
     assert be.layers.load(top).get("g1") is not None  # referenced now
     # A pull that stopped after its first layer: the ahead claim expires, the index goes.
-    blobs2 = [_estargz({f"h{i}": bytes([80 + i]) * 1000})[0] for i in range(2)]
-    image2 = push_image(registry.url, "lazy/gc-ahead2", "v1", blobs2)
-    low2, top2 = image2.layers
-    with pytest.raises(AlreadyExists):
-        be.prepare("default/2/extract-1", "", _labels(image2.ref, low2, "sha256:h1", **{
-            "containerd.io/snapshot/cri.image-layers": f"{low2},{top2}"}))
-    _wait_stored(be, [top2])
+    _, low2, top2 = _pull_first_of_two(be, registry, "lazy/gc-ahead2", "h")
     be.claims.ahead_grace = 0.0
     be.cleanup()
     assert be.layers.meta(top2) is None and be.layers.meta(low2) is not None
