@@ -35,7 +35,7 @@ class RegistryConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     max_bytes: int = field(default=50 << 30, metadata={"doc": "hard cap of the on-disk chunk cache in bytes"})
-    max_inflight_bytes: int = field(default=16 << 20, metadata={
+    max_inflight_bytes: int = field(default=32 << 20, metadata={
         "doc": "cap on chunk bytes being fetched at once, per mount (memory of the mount process)"})
 
 

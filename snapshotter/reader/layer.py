@@ -108,7 +108,7 @@ class ReaderConfig:
     max_inflight_bytes: int = 64 << 20
     max_merge_bytes: int = 4 << 20
     max_chunk_bytes: int = 64 << 20
-    readahead_bytes: int = 8 << 20
+    readahead_bytes: int = 32 << 20
     readahead_trigger: int = 2
     max_readahead_tasks: int = 4
     verify_cached: bool = False
