@@ -121,8 +121,8 @@ class RemoteBackend:
         # One event loop and registry client for every resolve: connections, tokens and what
         # was learned of each host carry over from layer to layer (remote/resolve_loop.py).
         self.resolve_loop = ResolveLoop(fetch_config_from(config))
-        # The layers above one being prepared are resolved meanwhile (remote/resolve_ahead.py).
         self.claims = LayerClaims()  # what GC keeps although no snapshot refers to it yet (claims.py)
+        # The layers above one being prepared are resolved meanwhile (remote/resolve_ahead.py).
         self.ahead = ResolveAhead(self._resolve_ahead, lambda digest: self.layers.meta(digest) is not None)
         snapshotter.set_lowers(self.lowers)
 
