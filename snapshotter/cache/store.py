@@ -214,7 +214,7 @@ class ChunkCache:
         if offset < 0 or (size is not None and size < 0):
             raise ValueError(f"bad range {offset}+{size}")
         try:
-            held = self._open_files.checkout(key) or self._open(key)
+            held = self._hold(key)
             if held is None:
                 return None
             try:
@@ -241,7 +241,7 @@ class ChunkCache:
         found: set[str] = set()
         for key in keys:
             try:
-                held = self._open_files.checkout(key) or self._open(key)
+                held = self._hold(key)
                 if held is None:
                     continue
                 try:
@@ -252,6 +252,11 @@ class ChunkCache:
                 raise CacheError(f"chunk cache {self.root}: cannot read {key}: {exc}") from exc
             found.add(key)
         return found
+
+    def _hold(self, key: str) -> OpenChunk | None:
+        """The chunk's file checked out of the open-file list, opened first if it is not held;
+        None when it is not cached. Pair with `self._open_files.checkin`."""
+        return self._open_files.checkout(key) or self._open(key)
 
     def _open(self, key: str) -> OpenChunk | None:
         """Open a chunk the index lists and whose file has the recorded size; None otherwise."""

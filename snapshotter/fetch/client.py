@@ -414,13 +414,13 @@ class RegistryClient:
         ctx = _Ctx(r, "blob", digest, f"last {length} bytes")
 
         async def on_get(resp: httpx.Response, host: RegistryHost) -> tuple[bytes, int] | None:
+            self.stats.range_requests += 1  # as _read_single counts: every answer to a range GET
             if resp.status_code != 206:
                 if resp.status_code in (200, 416):
                     return None  # no suffix ranges here (200: the whole blob; not read)
                 self._check_status(resp, ctx)
                 raise _AttemptError(f"unexpected status {resp.status_code} for a range request",
                                     retryable=True, status=resp.status_code)
-            self.stats.range_requests += 1
             got, total = self._content_range(resp)
             if total is None or got.end != total or got.length > length:
                 return None  # not the suffix asked for; read it the plain way

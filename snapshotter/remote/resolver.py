@@ -2,11 +2,10 @@
 
 Order of requests for one layer: GET the last TAIL_BYTES (a suffix range, whose answer also gives
 the blob's size; they hold the footer and, for most layers, the whole TOC), then GET the TOC range
-if the tail did not hold it. The
-footer decides the format: eStargz (51-byte footer), legacy stargz (47), zstd:chunked (either
-layout). Nydus layers are told apart by their labels: a data blob layer needs only its size, the
-bootstrap layer (small) is fetched whole. Anything else is `NotLazy`, and the caller falls back to
-a full pull of that layer.
+if the tail did not hold it. The footer decides the format: eStargz (51-byte footer), legacy
+stargz (47), zstd:chunked (either layout). Nydus layers are told apart by their labels: a data
+blob layer needs only its size, the bootstrap layer (small) is fetched whole. Anything else is
+`NotLazy`, and the caller falls back to a full pull of that layer.
 """
 
 from __future__ import annotations
