@@ -20,7 +20,7 @@ from snapshotter.remote.backend import RemoteBackend, RemoteLayer
 from snapshotter.remote.labels import REMOTE_LABEL, TARGET_SNAPSHOT_REF
 from snapshotter.snapshots.model import Kind
 from snapshotter.snapshots.service import Snapshotter
-from tests.fetch.registry import RegistryProcess, free_port, push_image, start_registry
+from tests.fetch.registry import RegistryProcess, free_port, push_image
 
 
 def _tar(files: dict[str, bytes]) -> bytes:
@@ -62,15 +62,6 @@ class FakeMounter:
 
     def mounted_ids(self) -> set[str]:
         return set(self.ensured)
-
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryProcess]:
-    reg = start_registry(tmp_path_factory.mktemp("registry"))
-    try:
-        yield reg
-    finally:
-        reg.stop()
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import json
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,15 +15,6 @@ from snapshotter.fetch.client import RegistryClient, counting_bytes
 from snapshotter.fetch.config import FetchConfig
 from snapshotter.remote.resolve_loop import ResolveLoop
 from tests.fetch.registry import RegistryProcess, push_image, start_registry, write_htpasswd
-
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryProcess]:
-    reg = start_registry(tmp_path_factory.mktemp("registry"))
-    try:
-        yield reg
-    finally:
-        reg.stop()
 
 
 def test_jobs_from_many_threads_share_one_client_and_count_their_own_bytes(registry: RegistryProcess) -> None:
