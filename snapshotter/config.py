@@ -30,6 +30,9 @@ class RegistryConfig:
     retries: int = field(default=3, metadata={"doc": "retries of a failed registry request (5xx, reset)"})
     max_parallel: int = field(default=8, metadata={"doc": "concurrent requests per registry host"})
     max_merge_bytes: int = field(default=8 << 20, metadata={"doc": "merge adjacent chunk ranges up to this many bytes"})
+    amplify_bytes: int = field(default=512 << 10, metadata={
+        "doc": "a read that misses the cache also fetches up to this many bytes of the chunks stored right after "
+               "it, in the same request (0 = off)"})
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from snapshotter.fetch.client import RegistryClient
 from snapshotter.formats.index import LayerIndex
 from snapshotter.fusefs.ops import LayerReader
 from snapshotter.fusefs.process import LayerSpec, ReaderEnv
-from snapshotter.reader import ReaderConfig, RegistryRangeSource, open_layer_reader
+from snapshotter.reader import BlobOrder, ReaderConfig, RegistryRangeSource, open_layer_reader
 from snapshotter.remote.settings import fetch_config_from
 from snapshotter.remote.store import blob_digests
 
@@ -41,6 +41,8 @@ async def registry_reader(spec: LayerSpec, index: LayerIndex, env: ReaderEnv) ->
     source = RegistryRangeSource(client, str(spec.reader["image_ref"]), digests)
     reader_config = ReaderConfig(fetch_timeout=config.fetch_timeout,
                                  max_inflight_bytes=config.cache.max_inflight_bytes,
-                                 max_merge_bytes=config.registry.max_merge_bytes)
-    async with open_layer_reader(source, blobs=digests, cache=cache, config=reader_config) as reader:
+                                 max_merge_bytes=config.registry.max_merge_bytes,
+                                 amplify_bytes=config.registry.amplify_bytes)
+    async with open_layer_reader(source, blobs=digests, cache=cache, config=reader_config,
+                                 order=BlobOrder(index.entries)) as reader:
         yield reader

@@ -13,7 +13,8 @@ Document, version 1 (unknown keys must be ignored by readers):
               "ops": {OP: {"count", "errors", "seconds", "buckets": [per bucket, last is +Inf]}}},
      "layers": [{"digest", "image", "registry", "format", "blob_size", "requests", "fetched_bytes",
                  "fetched_bytes_by_cause": {"on_demand", "prefetch", "background"},
-                 "cache_hits", "cache_misses", "chunks_fetched", "refetches"} ...],   # state order
+                 "cache_hits", "cache_misses", "chunks_fetched", "refetches", "readahead_chunks",
+                 "readahead_warmed", "amplified_chunks"} ...],   # state order
      "registry": {"requests", "retries", "bytes_received", "bytes_by_host": {HOST: N}},
      "cache": {"evicted_chunks", "evicted_bytes"}}
 Other parts of the mount process add fields by putting a callable `() -> dict` into
@@ -79,7 +80,8 @@ def stats_document(state: Any, ops: LazyOperations, readers: Sequence[object],
             layer.update(requests=rs.requests, fetched_bytes=rs.fetched_bytes,
                          fetched_bytes_by_cause=dict(rs.fetched_bytes_by_cause), cache_hits=rs.cache_hits,
                          cache_misses=rs.cache_misses, chunks_fetched=rs.chunks_fetched, refetches=rs.refetches,
-                         readahead_chunks=rs.readahead_chunks, readahead_warmed=rs.readahead_warmed)
+                         readahead_chunks=rs.readahead_chunks, readahead_warmed=rs.readahead_warmed,
+                         amplified_chunks=rs.amplified_chunks)
         layers.append(layer)
     doc["layers"] = layers
     client = shared.get("registry_client")

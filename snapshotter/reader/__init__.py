@@ -8,10 +8,12 @@ from snapshotter.reader.layer import (
     chunk_key,
     open_layer_reader,
 )
+from snapshotter.reader.neighbours import BlobOrder
 from snapshotter.reader.source import BatchRangeSource, FileRangeSource, RangeSource, RegistryRangeSource
 
 __all__ = [
     "BatchRangeSource",
+    "BlobOrder",
     "ByteBudget",
     "FileRangeSource",
     "LayerReader",

@@ -24,12 +24,17 @@ hashing run in worker threads):
 - Read-ahead: after `readahead_trigger` sequential reads of an entry, up to `readahead_bytes`
   of the following chunks are fetched into the cache in the background (needs the nursery and
   a cache). Read-ahead never waits for budget: it skips when memory is short.
+- Read amplification (`amplify_bytes` > 0, needs `order` and a cache): once misses come in a
+  burst, a read that misses also fetches the uncached chunks stored right after its last missing
+  chunk, in a window growing to `amplify_bytes` compressed bytes, in the same request, into the
+  cache (see `_neighbours` and reader/neighbours.py).
 """
 
 from __future__ import annotations
 
 import contextvars
 import logging
+import math
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
@@ -51,11 +56,22 @@ from snapshotter.formats.codec import decompress_chunk
 from snapshotter.formats.digest import check_digest
 from snapshotter.formats.index import Chunk, Entry, EntryType
 from snapshotter.reader.budget import ByteBudget
+from snapshotter.reader.neighbours import BlobOrder
 from snapshotter.reader.source import RangeSource
 
 log = logging.getLogger(__name__)
 
 _MAX_SEQ_TRACKED = 1024
+# Amplified chunks may be this far apart in the blob (eStargz: a tar header's gzip member sits
+# between two files' payloads); the gap's bytes are fetched and dropped.
+AMPLIFY_MAX_GAP = 16 << 10
+# Amplification ramps up as misses keep coming, as the kernel's read-ahead window grows: a start
+# that misses only a few times (`true`: the binary, the loader, libc) fetches nothing extra; a
+# storm of misses (an interpreter importing hundreds of modules) soon fetches `amplify_bytes`
+# with each. A miss within AMPLIFY_BURST_SECONDS of the previous one continues the burst.
+AMPLIFY_FREE_MISSES = 8
+AMPLIFY_FIRST_BYTES = 64 << 10
+AMPLIFY_BURST_SECONDS = 1.0
 # Why bytes are being fetched: "on_demand" (a read), "prefetch" (`prefetch()`), "background"
 # (read-ahead). Trio tasks inherit the context of the task that starts them, so a fetch led on
 # behalf of a prefetch or a read-ahead is counted under that cause.
@@ -112,6 +128,7 @@ class ReaderConfig:
     readahead_trigger: int = 2
     max_readahead_tasks: int = 4
     verify_cached: bool = False
+    amplify_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.fetch_timeout <= 0 or self.max_inflight_bytes <= 0 or self.readahead_trigger < 1:
@@ -132,6 +149,7 @@ class ReaderStatistics:
     readahead_skipped: int = 0
     cache_put_failures: int = 0
     cache_misses: int = 0
+    amplified_chunks: int = 0
     fetched_bytes_by_cause: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FETCH_CAUSES, 0))
 
 
@@ -206,8 +224,10 @@ class LayerReader:
         cache: ChunkCache | None,
         config: ReaderConfig | None = None,
         nursery: trio.Nursery | None = None,
+        order: BlobOrder | None = None,
     ) -> None:
         self.source = source
+        self._order = order
         self.blobs = tuple(blobs)
         self.cache = cache
         self.config = config or ReaderConfig()
@@ -218,6 +238,8 @@ class LayerReader:
         self._seq: OrderedDict[str, _SeqState] = OrderedDict()
         self._readahead_tasks = 0
         self._cache_limiter = trio.CapacityLimiter(8)
+        self._burst = 0  # misses in the current burst (read amplification)
+        self._last_miss = -math.inf
 
     # -- public -----------------------------------------------------------------------------
 
@@ -315,13 +337,15 @@ class LayerReader:
         found = await self._cache_get_many([(k, lo, hi - lo) for k, (lo, hi) in zip(keys, spans, strict=True)])
         missing = {keys[i]: chunks[i] for i in range(len(chunks)) if i not in found}
         self.stats.cache_misses += len(missing)
-        full = await self._obtain(missing) if missing else {}
+        full = await self._obtain(missing, await self._neighbours(missing)) if missing else {}
         return [
             found[i] if i in found else full[keys[i]][lo:hi] for i, (lo, hi) in enumerate(spans)
         ]
 
-    async def _obtain(self, wanted: dict[str, Chunk]) -> dict[str, bytes]:
-        """Bytes of every wanted chunk: lead fetches nobody runs, wait for the others."""
+    async def _obtain(self, wanted: dict[str, Chunk], extra: dict[str, Chunk] | None = None) -> dict[str, bytes]:
+        """Bytes of every wanted chunk: lead fetches nobody runs, wait for the others.
+        `extra` chunks (nobody fetches them yet) go into the cache with the first round's
+        requests; their bytes are not returned."""
         got: dict[str, bytes] = {}
         while wanted:
             job = _Job()
@@ -334,6 +358,13 @@ class LayerReader:
                     job.chunks[key] = chunk
                     job.flights[key] = flight
                 waits[key] = flight
+            if extra and job.chunks:
+                for key, chunk in extra.items():
+                    if key not in self._flights:
+                        job.chunks[key] = chunk
+                        job.flights[key] = self._flights[key] = _Flight()
+                job.max_gap = AMPLIFY_MAX_GAP
+            extra = None
             async with trio.open_nursery() as nursery:
                 if job.chunks:
                     nursery.start_soon(self._lead, job, False)
@@ -352,6 +383,40 @@ class LayerReader:
                     got[key] = flight.data
             wanted = retry
         return got
+
+    async def _neighbours(self, missing: dict[str, Chunk]) -> dict[str, Chunk]:
+        """Read amplification: for an on-demand miss, the chunks stored right after the last
+        missing one (`BlobOrder.following`), up to the first that is cached or being fetched,
+        so that they come in the same request. The window: nothing for the first
+        AMPLIFY_FREE_MISSES misses of a burst, then AMPLIFY_FIRST_BYTES doubling with each
+        miss up to `amplify_bytes`."""
+        cfg = self.config
+        if self._order is None or self.cache is None or cfg.amplify_bytes <= 0 or _CAUSE.get() != "on_demand":
+            return {}
+        now = trio.current_time()
+        self._burst = self._burst + 1 if now - self._last_miss <= AMPLIFY_BURST_SECONDS else 1
+        self._last_miss = now
+        if self._burst <= AMPLIFY_FREE_MISSES:
+            return {}
+        window = min(cfg.amplify_bytes, AMPLIFY_FIRST_BYTES << min(self._burst - AMPLIFY_FREE_MISSES - 1, 20))
+        last = max(missing.values(), key=lambda c: (c.blob_index, c.blob_offset))
+        candidates: dict[str, Chunk] = {}
+        for c in self._order.following(last, max_bytes=window, max_gap=AMPLIFY_MAX_GAP):
+            key = self.key_for(c)
+            if key in self._flights:
+                break
+            if key not in missing:
+                candidates[key] = c
+        if not candidates:
+            return {}
+        present = await trio.to_thread.run_sync(self.cache.present, list(candidates), limiter=self._cache_limiter)
+        extra: dict[str, Chunk] = {}
+        for key, c in candidates.items():
+            if key in present:
+                break  # fetching past a cached chunk would mean a second request or refetched bytes
+            extra[key] = c
+        self.stats.amplified_chunks += len(extra)
+        return extra
 
     async def _wait(self, key: str, flight: _Flight, late: list[str]) -> None:
         """Wait for a flight, bounded; on expiry note the key in `late` (raising here would
@@ -686,6 +751,7 @@ async def open_layer_reader(
     blobs: Sequence[str],
     cache: ChunkCache | None,
     config: ReaderConfig | None = None,
+    order: BlobOrder | None = None,
 ) -> AsyncIterator[LayerReader]:
     """A LayerReader with its own nursery for read-ahead; background work stops on exit.
 
@@ -693,7 +759,7 @@ async def open_layer_reader(
     """
     try:
         async with trio.open_nursery() as nursery:
-            reader = LayerReader(source, blobs=blobs, cache=cache, config=config, nursery=nursery)
+            reader = LayerReader(source, blobs=blobs, cache=cache, config=config, nursery=nursery, order=order)
             try:
                 yield reader
             finally:

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from snapshotter.cache import ChunkCache
 from snapshotter.errors import DigestMismatch, FetchError, FormatError
 from snapshotter.formats.index import Chunk, Entry
-from snapshotter.reader import FileRangeSource, LayerReader, ReaderConfig, chunk_key, open_layer_reader
+from snapshotter.reader import BlobOrder, FileRangeSource, LayerReader, ReaderConfig, chunk_key, open_layer_reader
+from snapshotter.reader.layer import AMPLIFY_FREE_MISSES
 from tests.blob.blobs import BuiltBlob, build_blob, file_bytes
 
 CHUNK = 64 << 10
@@ -577,3 +578,76 @@ def test_one_corrupt_chunk_in_a_merged_run_fails_alone(blob: BuiltBlob) -> None:
     assert isinstance(outcome["whole"], DigestMismatch)
     assert outcome["last"] == blob.contents["exact"][2 * CHUNK:2 * CHUNK + 100]  # good chunk served
     assert len(source.calls) == 2  # the run, and one refetch of the bad chunk only
+
+
+def _small_files_blob(tmp_path: Path, count: int = 40) -> BuiltBlob:
+    rng = random.Random(21)
+    return build_blob(tmp_path / "small.blob", {f"f{i:02d}": file_bytes(rng, rng.randint(500, 3000))
+                                               for i in range(count)}, chunk_size=CHUNK)
+
+
+def _read_all_in_blob_order(blob: BuiltBlob, source: CountingSource, cache: ChunkCache,
+                            config: ReaderConfig) -> list[int]:
+    """Read every file whole, one after another; the source's request count after each read."""
+    names = sorted(blob.entries, key=lambda n: blob.entries[n].chunks[0].blob_offset)
+
+    async def main() -> list[int]:
+        after = []
+        order = BlobOrder(blob.entries.values())
+        async with open_layer_reader(source, blobs=[LAYER], cache=cache, config=config, order=order) as reader:
+            with trio.fail_after(30):
+                for name in names:
+                    assert await reader.read(blob.entries[name], 0, 1 << 20) == blob.contents[name]
+                    after.append(len(source.calls))
+        return after
+
+    return trio.run(main)
+
+
+def test_a_burst_of_misses_fetches_the_following_files_with_them(tmp_path: Path) -> None:
+    blob = _small_files_blob(tmp_path)
+    source = CountingSource([blob.path])
+    config = ReaderConfig(amplify_bytes=16 << 10, readahead_bytes=0)
+    requests = _read_all_in_blob_order(blob, source, ChunkCache(tmp_path / "cache", 1 << 30), config)
+    free = AMPLIFY_FREE_MISSES
+    # The first misses of a burst fetch only themselves: a short start pays nothing extra.
+    assert requests[:free] == list(range(1, free + 1))
+    # Then each miss brings the files stored after it: the next ones are cache hits.
+    assert requests[free] == free + 1 and requests[free + 1] == free + 1
+    assert requests[-1] < len(blob.entries) / 2
+    # No request is longer than a miss plus the window; no chunk is fetched twice.
+    assert max(n for _, _, n in source.calls) <= (16 << 10) + max(c.blob_size for c in all_chunks(blob))
+    assert max(source.fetches_per_chunk(all_chunks(blob)).values()) == 1
+
+
+def test_no_amplification_when_off_or_without_blob_order(tmp_path: Path) -> None:
+    blob = _small_files_blob(tmp_path, count=AMPLIFY_FREE_MISSES + 6)
+    source = CountingSource([blob.path])
+    off = ReaderConfig(amplify_bytes=0, readahead_bytes=0)
+    assert _read_all_in_blob_order(blob, source, ChunkCache(tmp_path / "c1", 1 << 30), off)[-1] == len(blob.entries)
+
+    async def without_order() -> int:
+        reader = LayerReader(CountingSource([blob.path]), blobs=[LAYER], cache=ChunkCache(tmp_path / "c2", 1 << 30),
+                             config=ReaderConfig(amplify_bytes=1 << 20))
+        for entry in blob.entries.values():
+            await reader.read(entry, 0, 1 << 20)
+        return reader.stats.amplified_chunks
+
+    assert trio.run(without_order) == 0
+
+
+def test_amplification_stops_at_a_cached_chunk(tmp_path: Path) -> None:
+    blob = _small_files_blob(tmp_path, count=AMPLIFY_FREE_MISSES + 12)
+    names = sorted(blob.entries, key=lambda n: blob.entries[n].chunks[0].blob_offset)
+    cache = ChunkCache(tmp_path / "cache", 1 << 30)
+    cached = names[AMPLIFY_FREE_MISSES + 3]
+    cache.put(chunk_key(blob.entries[cached].chunks[0], [LAYER]), blob.contents[cached])
+    source = CountingSource([blob.path])
+    config = ReaderConfig(amplify_bytes=1 << 20, readahead_bytes=0)
+    requests = _read_all_in_blob_order(blob, source, cache, config)
+    # The first amplified miss brought the two files before the cached one, and stopped there:
+    # the cached file is not fetched again, the one after it is a miss of its own.
+    amplified = AMPLIFY_FREE_MISSES
+    assert requests[amplified] == requests[amplified + 2] == requests[amplified + 3] == amplified + 1
+    assert requests[amplified + 4] == amplified + 2
+    assert source.fetches_per_chunk(blob.entries[cached].chunks)[blob.entries[cached].chunks[0].blob_offset] == 0
