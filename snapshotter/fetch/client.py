@@ -393,8 +393,9 @@ class RegistryClient:
 
         return await self._request(ctx, "HEAD", PULL, {}, on_head)
 
-    async def read_range(self, repo: Reference | str, digest: str, offset: int, length: int) -> bytes:
-        """Bytes [offset, offset+length) of blob `digest`; exactly `length` bytes or an error."""
+    async def read_range(self, repo: Reference | str, digest: str, offset: int, length: int) -> bytes | bytearray:
+        """Bytes [offset, offset+length) of blob `digest`; exactly `length` bytes or an error
+        (a bytearray when that saves copying them)."""
         if offset < 0 or length < 0:
             raise ValueError(f"bad range {offset}+{length}")
         if length == 0:
@@ -433,7 +434,7 @@ class RegistryClient:
         log.info("%s: no suffix range answer; asking for the size first", ctx.describe())
         size = await self.blob_size(r, digest)
         n = min(size, length)
-        return await self.read_range(r, digest, size - n, n), size
+        return bytes(await self.read_range(r, digest, size - n, n)), size
 
     async def read_ranges(self, repo: Reference | str, digest: str,
                           ranges: Sequence[tuple[int, int]]) -> list[bytes]:
@@ -446,7 +447,7 @@ class RegistryClient:
         cfg = self.config
         spans = plan_spans(ranges, max_bytes=cfg.max_merge_bytes, max_gap=cfg.max_merge_gap)
         groups = group_spans(spans, max_ranges=cfg.max_ranges_per_request, max_bytes=cfg.max_merge_bytes)
-        span_data: dict[ByteRange, bytes] = {}
+        span_data: dict[ByteRange, bytes | bytearray] = {}
 
         async def run_group(group: list[Span]) -> None:
             nbytes = sum(s.range.length for s in group)
@@ -463,7 +464,7 @@ class RegistryClient:
             for i in span.members:
                 off, n = ranges[i]
                 start = off - span.range.start
-                out[i] = data[start:start + n]
+                out[i] = data[start:start + n] if isinstance(data, bytes) else bytes(memoryview(data)[start:start + n])
         return out
 
     async def read_chunks(self, repo: Reference | str, digest: str, chunks: Sequence[BlobPiece]) -> list[bytes]:
@@ -472,7 +473,7 @@ class RegistryClient:
 
     # ---- ranges -----------------------------------------------------------------------------
 
-    async def _read_group(self, r: Reference, digest: str, brs: list[ByteRange]) -> list[bytes]:
+    async def _read_group(self, r: Reference, digest: str, brs: list[ByteRange]) -> Sequence[bytes | bytearray]:
         if len(brs) > 1:
             hosts = [h.host for h in self.hosts(r.registry)]
             if not all(h in self._no_multirange for h in hosts):
@@ -480,7 +481,7 @@ class RegistryClient:
                     return await self._read_multi(r, digest, brs)
                 except _NoMultiRange:
                     pass
-        out: list[bytes] = [b""] * len(brs)
+        out: list[bytes | bytearray] = [b""] * len(brs)
 
         async def one(i: int) -> None:
             out[i] = await self._read_single(r, digest, brs[i])
@@ -490,10 +491,10 @@ class RegistryClient:
                 nursery.start_soon(one, i)
         return out
 
-    async def _read_single(self, r: Reference, digest: str, br: ByteRange) -> bytes:
+    async def _read_single(self, r: Reference, digest: str, br: ByteRange) -> bytes | bytearray:
         ctx = _Ctx(r, "blob", digest, str(br))
 
-        async def on_get(resp: httpx.Response, host: RegistryHost) -> bytes:
+        async def on_get(resp: httpx.Response, host: RegistryHost) -> bytes | bytearray:
             self.stats.range_requests += 1
             if resp.status_code == 200:
                 return await self._slice_full_body(resp, br, ctx, host)
@@ -507,9 +508,11 @@ class RegistryClient:
                                     retryable=True, status=resp.status_code)
             got, total = self._content_range(resp)
             self._check_covers(got, total, [br])
-            data = await self._read_body(resp, got.length, ctx, exact=got.length)
+            data = await self._read_exact(resp, got.length)
             start = br.start - got.start
-            return data[start:start + br.length]
+            if start == 0 and got.length == br.length:
+                return data
+            return bytes(memoryview(data)[start:start + br.length])
 
         return await self._request(ctx, "GET", PULL, {"Range": range_header([br])}, on_get)
 
@@ -612,6 +615,23 @@ class RegistryClient:
         if code >= 500 or code in (408, 429):
             raise _AttemptError(f"server error {code}", retryable=True, status=code)
         raise _AttemptError(f"unexpected status {code}", retryable=False, status=code)
+
+    async def _read_exact(self, resp: httpx.Response, length: int) -> bytearray:
+        """Exactly `length` body bytes, into one buffer allocated up front: a 4 MiB chunk costs
+        4 MiB, not a growing buffer plus its copy."""
+        buf = bytearray(length)
+        view = memoryview(buf)
+        pos = 0
+        async for piece in resp.aiter_raw():
+            self.stats.note_bytes(resp, len(piece))
+            end = pos + len(piece)
+            if end > length:
+                raise _AttemptError(f"body larger than {length} bytes", retryable=True)
+            view[pos:end] = piece
+            pos = end
+        if pos != length:
+            raise _AttemptError(f"short body: {pos} of {length} bytes", retryable=True)
+        return buf
 
     async def _read_body(self, resp: httpx.Response, limit: int, ctx: _Ctx, *, exact: int | None) -> bytes:
         buf = bytearray()

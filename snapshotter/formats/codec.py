@@ -17,12 +17,21 @@ from snapshotter.errors import FormatError
 from snapshotter.formats.index import Chunk, Compression
 
 _BLOCK = 1 << 16
+# What the decoders read: a fetch's buffer or a view into it (no copy per chunk of a merged run).
+Buffer = bytes | bytearray | memoryview
 
 
-def _gunzip_prefix(data: bytes, want: int) -> bytes:
+def _gunzip_prefix(data: Buffer, want: int) -> bytes:
     """The first `want` bytes of a gzip stream (which may span several members)."""
+    first = zlib.decompressobj(wbits=31)
+    try:
+        plain = first.decompress(data, want)
+    except zlib.error as exc:
+        raise FormatError(f"gzip data is corrupt: {exc}") from None
+    if len(plain) >= want or (first.eof and not first.unused_data):
+        return plain  # one member held it all (a chunk's usual case): no copy of the output
     out = bytearray()
-    pending = data
+    pending: Buffer = data
     while len(out) < want and pending:
         d = zlib.decompressobj(wbits=31)
         try:
@@ -40,7 +49,7 @@ def _gunzip_prefix(data: bytes, want: int) -> bytes:
     return bytes(out)
 
 
-def _unzstd_prefix(data: bytes, want: int) -> bytes:
+def _unzstd_prefix(data: Buffer, want: int) -> bytes:
     """The first `want` bytes of a zstd stream (frames concatenated; skippable frames allowed)."""
     out = bytearray()
     pending = data
@@ -61,10 +70,10 @@ def _unzstd_prefix(data: bytes, want: int) -> bytes:
     return bytes(out[:want])
 
 
-def decompress_prefix(compression: Compression, data: bytes, want: int) -> bytes:
+def decompress_prefix(compression: Compression, data: Buffer, want: int) -> bytes:
     """Up to `want` bytes of the uncompressed stream that `data` starts."""
     if compression is Compression.NONE:
-        return data[:want]
+        return bytes(memoryview(data)[:want])
     if compression is Compression.GZIP:
         return _gunzip_prefix(data, want)
     if compression is Compression.ZSTD:
@@ -72,11 +81,11 @@ def decompress_prefix(compression: Compression, data: bytes, want: int) -> bytes
     if compression is Compression.LZ4_BLOCK:
         from snapshotter.formats.lz4block import decompress_block
 
-        return decompress_block(data, max_output=want)[:want]
+        return decompress_block(bytes(data), max_output=want)[:want]
     raise FormatError(f"unsupported compression {compression}")
 
 
-def decompress_chunk(chunk: Chunk, data: bytes) -> bytes:
+def decompress_chunk(chunk: Chunk, data: Buffer) -> bytes:
     """The chunk's `size` file bytes from its compressed blob range `data`.
 
     A `zeros` chunk is all zeros by definition; `data` is not looked at (it may be empty).
@@ -90,4 +99,4 @@ def decompress_chunk(chunk: Chunk, data: bytes) -> bytes:
             f"chunk at blob offset {chunk.blob_offset} ({chunk.compression.value}) decompressed to "
             f"{len(plain)} bytes, expected at least {want}"
         )
-    return plain[chunk.inner_offset:want]
+    return plain if chunk.inner_offset == 0 and len(plain) == want else plain[chunk.inner_offset:want]

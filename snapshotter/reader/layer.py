@@ -52,7 +52,7 @@ from snapshotter.errors import (
     LimitExceeded,
     SnapshotterError,
 )
-from snapshotter.formats.codec import decompress_chunk
+from snapshotter.formats.codec import Buffer, decompress_chunk
 from snapshotter.formats.digest import check_digest
 from snapshotter.formats.index import Chunk, Entry, EntryType
 from snapshotter.reader.budget import ByteBudget
@@ -522,10 +522,12 @@ class LayerReader:
         self.stats.chunks_fetched += len(run)
         if background:
             self.stats.readahead_chunks += len(run)
-        pieces = [(key, c, data[c.blob_offset - start:c.blob_offset - start + c.blob_size]) for key, c in run]
-        del data
+        view = memoryview(data)  # the run's chunks decode from views of the one buffer: no copies
+        pieces = [(key, c, view[c.blob_offset - start:c.blob_offset - start + c.blob_size]) for key, c in run]
+        del data, view
         decoded = await trio.to_thread.run_sync(self._decode_all, pieces)
-        for (key, c, _), result in zip(pieces, decoded, strict=True):
+        pieces.clear()  # the last views go: the compressed buffer is freed before the cache write
+        for (key, c), result in zip(run, decoded, strict=True):
             if not isinstance(result, FormatError):
                 job.flights[key].finish(data=result)
                 continue
@@ -566,7 +568,7 @@ class LayerReader:
             for key, flight in flights.items():
                 self._forget_flight(key, flight)
 
-    async def _fetch(self, blob: int, offset: int, length: int) -> bytes:
+    async def _fetch(self, blob: int, offset: int, length: int) -> bytes | bytearray:
         self.stats.requests += 1
         try:
             data = await self.source.read_range(blob, offset, length)
@@ -584,7 +586,7 @@ class LayerReader:
         return data
 
     @classmethod
-    def _decode_all(cls, pieces: list[tuple[str, Chunk, bytes]]) -> list[bytes | FormatError]:
+    def _decode_all(cls, pieces: list[tuple[str, Chunk, memoryview]]) -> list[bytes | FormatError]:
         out: list[bytes | FormatError] = []
         for key, chunk, data in pieces:
             try:
@@ -594,7 +596,7 @@ class LayerReader:
         return out
 
     @staticmethod
-    def _decode(key: str, chunk: Chunk, data: bytes) -> bytes:
+    def _decode(key: str, chunk: Chunk, data: Buffer) -> bytes:
         """Decompress and verify one chunk (runs in a worker thread)."""
         what = f"chunk {key} (blob offset {chunk.blob_offset})"
         try:

@@ -17,7 +17,7 @@ from snapshotter.errors import FetchError
 
 @runtime_checkable
 class RangeSource(Protocol):
-    async def read_range(self, blob: int, offset: int, length: int) -> bytes:
+    async def read_range(self, blob: int, offset: int, length: int) -> bytes | bytearray:
         """Exactly `length` bytes of blob number `blob` from `offset` (FetchError otherwise)."""
         ...
 
@@ -74,13 +74,12 @@ class RegistryRangeSource:
         except IndexError:
             raise FetchError(f"{self.repo}: no blob number {blob} (have {len(self.blobs)})") from None
 
-    async def read_range(self, blob: int, offset: int, length: int) -> bytes:
-        data = await self.client.read_range(self.repo, self._digest(blob), offset, length)
-        return bytes(data)
+    async def read_range(self, blob: int, offset: int, length: int) -> bytes | bytearray:
+        return await self.client.read_range(self.repo, self._digest(blob), offset, length)
 
     async def read_ranges(self, blob: int, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
         digest = self._digest(blob)
         batched = getattr(self.client, "read_ranges", None)
         if batched is None:
-            return [await self.read_range(blob, off, n) for off, n in ranges]
+            return [bytes(await self.read_range(blob, off, n)) for off, n in ranges]
         return [bytes(d) for d in await batched(self.repo, digest, list(ranges))]

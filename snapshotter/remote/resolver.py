@@ -45,7 +45,7 @@ async def _range(client: RegistryClient, ref: LayerRef, tail: bytes, tail_start:
     """blob[offset:offset+length], from the tail already fetched when it holds it."""
     if offset >= tail_start:
         return tail[offset - tail_start:offset - tail_start + length]
-    return await client.read_range(ref.image_ref, ref.layer_digest, offset, length)
+    return bytes(await client.read_range(ref.image_ref, ref.layer_digest, offset, length))
 
 
 def _check_toc_digest(ref: LayerRef, index: LayerIndex) -> None:
@@ -66,7 +66,7 @@ async def _resolve_nydus(client: RegistryClient, ref: LayerRef, size: int, *,
     if size > max_bootstrap_bytes:
         raise LimitExceeded(f"nydus bootstrap layer {ref.layer_digest} is {size} bytes, over "
                             f"limits.max_bootstrap_bytes ({max_bootstrap_bytes})")
-    layer = await client.read_range(ref.image_ref, ref.layer_digest, 0, size)
+    layer = bytes(await client.read_range(ref.image_ref, ref.layer_digest, 0, size))
     if hashlib.sha256(layer).hexdigest() != ref.layer_digest.partition(":")[2]:
         raise DigestMismatch(f"nydus bootstrap layer {ref.layer_digest}: content does not match its digest")
     boot = bootstrap_from_layer(layer, max_bootstrap_bytes=max_bootstrap_bytes)
