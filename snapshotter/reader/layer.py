@@ -90,7 +90,13 @@ def fetch_cause(cause: str) -> Iterator[None]:
         yield
     finally:
         _CAUSE.reset(token)
-_SEQ_SLACK = 256 << 10
+
+
+# A sequential reader's reads reach us as several concurrent requests (the kernel's read-ahead),
+# which finish in any order: a read starting within this distance of where the stream's reads
+# have got to continues the stream (256 KiB reset it about every other 1 MiB read, and each reset
+# started the read-ahead window again).
+_SEQ_SLACK = 4 << 20
 
 
 def describe_source(source: object, blob: int) -> str:
@@ -680,7 +686,6 @@ class LayerReader:
         if self._nursery is None or self.cache is None or cfg.readahead_bytes <= 0:
             return
         st = self._seq.pop(entry.name, None)
-        # Parallel kernel read-ahead can reorder reads a little: near the last end counts.
         if st is not None and abs(offset - st.next_offset) <= _SEQ_SLACK:
             st.streak += 1
             st.next_offset = max(st.next_offset, end)

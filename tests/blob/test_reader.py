@@ -330,6 +330,44 @@ def test_sequential_reads_of_cached_chunks_start_their_disk_reads_ahead(blob: Bu
     trio.run(main)
 
 
+
+def test_sequential_reads_finishing_out_of_order_keep_one_read_ahead_stream(blob: BuiltBlob, tmp_path: Path) -> None:
+    """The kernel sends a sequential reader's reads as concurrent requests that finish in any
+    order: 256 KiB reads noted pairwise swapped still form one stream, and each chunk of the
+    window is warmed once, not again after every swap."""
+    cache = ChunkCache(tmp_path, 1 << 30)
+    entry = blob.entries["big"]
+    step = 4 * CHUNK
+    order = [step, 0, 3 * step, 2 * step, 4 * step]
+    warmed: Counter[str] = Counter()
+    real_warm = cache.warm
+
+    def counting_warm(keys: list[str]) -> set[str]:
+        warmed.update(keys)
+        return real_warm(keys)
+
+    async def main() -> int:
+        async with open_layer_reader(FileRangeSource([blob.path]), blobs=[LAYER], cache=cache) as reader:
+            await reader.prefetch(entry)
+            keys = {reader.key_for(c) for c in entry.chunks}
+            with trio.fail_after(10):  # the cache writes finish in the background
+                while cache.present(keys) != keys:
+                    await trio.sleep(0.01)
+        cache.warm = counting_warm  # type: ignore[method-assign]
+        config = ReaderConfig(readahead_bytes=3 * step, readahead_trigger=2)
+        async with open_layer_reader(FileRangeSource([blob.path]), blobs=[LAYER], cache=cache,
+                                     config=config) as reader:
+            for off in order:
+                assert await reader.read(entry, off, step) == blob.contents["big"][off:off + step]
+                await trio.sleep(0.05)  # let the read-ahead task run
+            return reader.stats.readahead_warmed
+
+    warmed_total = trio.run(main)
+    assert warmed and max(warmed.values()) == 1, warmed
+    # The stream began with the second read (0 to `step`): every chunk after it was warmed ahead.
+    assert warmed_total == sum(1 for c in entry.chunks if c.file_offset >= step)
+
+
 def test_two_layers_sharing_content_store_it_once(tmp_path: Path) -> None:
     files = make_files(7)
     a = build_blob(tmp_path / "a.blob", files, chunk_size=CHUNK, seed=1)
