@@ -22,7 +22,9 @@ Invariants (across processes; all index changes run in `BEGIN IMMEDIATE` transac
 - Rows whose file vanished (a crash between unlink and commit, an operator's rm) are dropped on
   the next `get`/`put` of that key; `repair()` reconciles the whole tree (run it at daemon start).
 
-Every method blocks (disk + SQLite); async callers run them in a worker thread. One ChunkCache
+Every method but `get_resident` blocks (disk + SQLite); async callers run them in a worker
+thread (`get_resident` never waits: it serves a read of an open, page-cached chunk file inline,
+or says no). One ChunkCache
 may be used from several threads (a lock serializes its SQLite connection); after a fork the
 child reopens its own connection.
 """
@@ -30,6 +32,7 @@ child reopens its own connection.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import sqlite3
@@ -74,6 +77,14 @@ CREATE INDEX IF NOT EXISTS pins_by_key ON pins(key);
 """
 
 _TMP_PREFIX = ".tmp."
+# Whether preadv(..., RWF_NOWAIT) works here (Linux; off for good after a file system refuses it).
+_NOWAIT_READS = hasattr(os, "RWF_NOWAIT")
+
+
+def _no_nowait_reads() -> None:
+    global _NOWAIT_READS
+    _NOWAIT_READS = False
+
 _EVICT_BATCH = 256
 
 
@@ -233,6 +244,33 @@ class ChunkCache:
             return data
         except (sqlite3.Error, OSError) as exc:
             raise CacheError(f"chunk cache {self.root}: cannot read {key}: {exc}") from exc
+
+    def get_resident(self, key: str, offset: int, size: int) -> bytearray | None:
+        """The chunk's bytes [offset, offset+size) (clipped to its end) when this can be had
+        without waiting: its file is open here already (no index query), the bytes are in the
+        page cache (RWF_NOWAIT) and its LRU row needs no refresh. None otherwise (use `get`).
+        Safe to call from an event loop thread."""
+        if not _NOWAIT_READS or offset < 0 or size < 0:
+            return None
+        held = self._open_files.checkout(key)
+        if held is None:
+            return None
+        try:
+            if time.time() - held.touched >= self.touch_interval:
+                return None
+            want = max(0, min(held.size - offset, size))
+            buf = bytearray(want)
+            try:
+                got = os.preadv(held.fd, [buf], offset, os.RWF_NOWAIT) if want else 0
+            except BlockingIOError:
+                return None
+            except OSError as exc:
+                if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                    _no_nowait_reads()
+                return None
+            return buf if got == want else None
+        finally:
+            self._open_files.checkin(held)
 
     def warm(self, keys: Iterable[str]) -> set[str]:
         """Have the kernel start reading the cached ones of `keys` into the page cache

@@ -249,7 +249,7 @@ class LayerReader:
 
     # -- public -----------------------------------------------------------------------------
 
-    async def read(self, entry: Entry, offset: int, size: int) -> bytes:
+    async def read(self, entry: Entry, offset: int, size: int) -> bytes | bytearray:
         """File bytes [offset, offset+size) of `entry`, clipped to its size (b"" past the end)."""
         if entry.type is not EntryType.REG:
             raise FormatError(f"{entry.name!r} is a {entry.type.value}, not a regular file")
@@ -335,12 +335,18 @@ class LayerReader:
 
     # -- getting chunk bytes -----------------------------------------------------------------
 
-    async def _get(self, chunks: Sequence[Chunk], offset: int, end: int) -> list[bytes]:
+    async def _get(self, chunks: Sequence[Chunk], offset: int, end: int) -> list[bytes | bytearray]:
         """The parts of `chunks` inside file range [offset, end), in order."""
         keys = [self.key_for(c) for c in chunks]
         spans = [(max(offset, c.file_offset) - c.file_offset, min(end, c.end) - c.file_offset) for c in chunks]
-        # Cached chunks: read only the needed part (a 128 KiB FUSE read of a 4 MiB chunk).
-        found = await self._cache_get_many([(k, lo, hi - lo) for k, (lo, hi) in zip(keys, spans, strict=True)])
+        # Cached chunks: read only the needed part (a 128 KiB FUSE read of a 4 MiB chunk); from
+        # the page cache inline when it is there, else in a worker thread.
+        wanted = [(k, lo, hi - lo) for k, (lo, hi) in zip(keys, spans, strict=True)]
+        found = self._cache_get_resident(wanted)
+        if len(found) < len(wanted):
+            rest = [i for i in range(len(wanted)) if i not in found]
+            more = await self._cache_get_many([wanted[i] for i in rest])
+            found.update((rest[j], data) for j, data in more.items())
         missing = {keys[i]: chunks[i] for i in range(len(chunks)) if i not in found}
         self.stats.cache_misses += len(missing)
         full = await self._obtain(missing, await self._neighbours(missing)) if missing else {}
@@ -624,6 +630,20 @@ class LayerReader:
         return self.blobs[blob] if 0 <= blob < len(self.blobs) else f"#{blob}"
 
     # -- cache access (worker threads) -------------------------------------------------------
+
+    def _cache_get_resident(self, wanted: list[tuple[str, int, int]]) -> dict[int, bytes | bytearray]:
+        """Those of the (key, offset, size) requests the cache serves without waiting (see
+        `ChunkCache.get_resident`), by position; a worker thread costs more than such a read."""
+        cache = self.cache
+        if cache is None or self.config.verify_cached:
+            return {}
+        found: dict[int, bytes | bytearray] = {}
+        for i, (key, off, size) in enumerate(wanted):
+            data = cache.get_resident(key, off, size)
+            if data is not None:
+                found[i] = data
+        self.stats.cache_hits += len(found)
+        return found
 
     async def _cache_get_many(self, wanted: list[tuple[str, int, int | None]]) -> dict[int, bytes]:
         """Cached bytes of (key, offset, size) requests (size None: to the end), by position."""

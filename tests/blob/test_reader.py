@@ -689,3 +689,30 @@ def test_amplification_stops_at_a_cached_chunk(tmp_path: Path) -> None:
     assert requests[amplified] == requests[amplified + 2] == requests[amplified + 3] == amplified + 1
     assert requests[amplified + 4] == amplified + 2
     assert source.fetches_per_chunk(blob.entries[cached].chunks)[blob.entries[cached].chunks[0].blob_offset] == 0
+
+
+
+@pytest.mark.parametrize(("verify", "thread_reads"), [(False, 1), (True, 5)])
+def test_reads_of_page_cached_chunks_are_served_inline(blob: BuiltBlob, tmp_path: Path, verify: bool,
+                                                       thread_reads: int) -> None:
+    """After a chunk's file is open, reads of it come from the page cache without the worker
+    thread (`ChunkCache.get`); verify_cached reads always go through the checked path."""
+    entry = blob.entries["big"]
+    cache = ChunkCache(tmp_path, 1 << 30)
+    gets: list[str] = []
+    real_get = cache.get
+
+    def counting_get(key: str, offset: int = 0, size: int | None = None) -> bytes | None:
+        gets.append(key)
+        return real_get(key, offset, size)
+
+    async def main() -> None:
+        reader = LayerReader(FileRangeSource([blob.path]), blobs=[LAYER], cache=cache,
+                             config=ReaderConfig(verify_cached=verify))
+        await reader.prefetch(entry)
+        cache.get = counting_get  # type: ignore[method-assign]
+        for off in range(0, 5 * 4096, 4096):  # five reads inside the first chunk
+            assert await reader.read(entry, off, 4096) == blob.contents["big"][off:off + 4096]
+
+    trio.run(main)
+    assert len(gets) == thread_reads

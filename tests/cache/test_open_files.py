@@ -97,3 +97,39 @@ def test_warm_reports_cached_keys_and_reads_them_into_memory(tmp_path: Path) -> 
     finally:
         os.close(fd)
     assert cache.get(key) == data
+
+
+def _drop_page_cache() -> None:
+    if os.geteuid() != 0:
+        pytest.fail("needs root to drop the page cache (the project runs tests as root)")
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("1")
+
+
+def test_get_resident_serves_only_open_page_cached_chunks_without_waiting(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, 16 << 20, touch_interval=3600)
+    key, data = chunk(5, 1 << 20)
+    assert cache.put(key, data)
+    assert cache.get_resident(key, 0, 100) is None  # not open here yet: that needs the index
+    assert cache.get(key, 0, 10) == data[:10]  # opens and holds the file
+    got = cache.get_resident(key, 1000, 5000)
+    assert got == data[1000:6000] and isinstance(got, bytearray)
+    assert cache.get_resident(key, len(data) - 10, 100) == data[-10:]  # clipped to the chunk
+    _drop_page_cache()
+    assert cache.get_resident(key, 0, 4096) is None  # on disk only: the caller's thread reads it
+    assert cache.get(key, 0, 4096) == data[:4096]
+    assert cache.get_resident(key, 0, 4096) == data[:4096]
+    os.truncate(cache.path_for(key), 100)  # an outside writer damaging the file in place
+    assert cache.get_resident(key, 0, 4096) is None  # a short read is a miss, never short data
+
+
+def test_get_resident_leaves_the_lru_refresh_to_get(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, 16 << 20, touch_interval=0.05)
+    key, data = chunk(6, 4096)
+    assert cache.put(key, data) and cache.get(key, 0, 1) == data[:1]
+    assert cache.get_resident(key, 0, 10) == data[:10]
+    time.sleep(0.06)
+    assert cache.get_resident(key, 0, 10) is None  # due for an atime refresh: `get` does it
+    assert cache.get(key, 0, 10) == data[:10]
+    assert cache.get_resident(key, 0, 10) == data[:10]
