@@ -35,11 +35,15 @@ class OpenChunk:
 
 
 class OpenChunkFiles:
-    """Up to `capacity` open chunk files by key. Thread-safe."""
+    """Up to `capacity` open chunk files by key, of at most `max_bytes` together (the files the
+    read-ahead window warms, plus those being read: a 32 MiB window is 8 chunks of 4 MiB or 32
+    of 1 MiB; the byte bound caps the disk space that files evicted elsewhere keep). Thread-safe."""
 
-    def __init__(self, capacity: int = 32) -> None:
+    def __init__(self, capacity: int = 128, max_bytes: int = 64 << 20) -> None:
         self.capacity = capacity
+        self.max_bytes = max_bytes
         self._files: OrderedDict[str, OpenChunk] = OrderedDict()
+        self._bytes = 0
         self._lock = threading.Lock()
 
     def checkout(self, key: str) -> OpenChunk | None:
@@ -63,9 +67,10 @@ class OpenChunkFiles:
         with self._lock:
             old = self._files.pop(key, None)
             self._files[key] = held
+            self._bytes += size
             if old is not None:
                 self._drop_locked(old)
-            while len(self._files) > self.capacity:
+            while len(self._files) > 1 and (len(self._files) > self.capacity or self._bytes > self.max_bytes):
                 self._drop_locked(self._files.popitem(last=False)[1])
         return held
 
@@ -90,8 +95,9 @@ class OpenChunkFiles:
     def __len__(self) -> int:
         return len(self._files)
 
-    @staticmethod
-    def _drop_locked(held: OpenChunk) -> None:
+    def _drop_locked(self, held: OpenChunk) -> None:
+        """`held` has just left `_files`: count it out, close it once unused."""
+        self._bytes -= held.size
         held.dropped = True
         if held.users == 0:
             os.close(held.fd)

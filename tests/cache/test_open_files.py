@@ -48,6 +48,24 @@ def test_files_close_when_dropped_and_unused(tmp_path: Path) -> None:
     assert not _is_open(fds[2]) and len(files) == 0
 
 
+
+def test_held_bytes_are_bounded_as_well_as_the_count(tmp_path: Path) -> None:
+    files = OpenChunkFiles(capacity=10, max_bytes=100)
+    for i in range(4):
+        p = tmp_path / str(i)
+        p.write_bytes(b"x" * 40)
+        files.checkin(files.adopt(str(i), os.open(p, os.O_RDONLY), 40, 0.0))
+    held = [files.checkout(str(i)) for i in range(4)]
+    assert [h is not None for h in held] == [False, False, True, True]  # 2 x 40 bytes fit in 100, 3 would not
+    for h in held:
+        if h is not None:
+            files.checkin(h)
+    big = tmp_path / "big"
+    big.write_bytes(b"y" * 500)
+    files.checkin(files.adopt("big", os.open(big, os.O_RDONLY), 500, 0.0))
+    assert len(files) == 1 and files.checkout("big") is not None  # one file over the bound stays alone
+
+
 def test_held_chunk_survives_eviction_elsewhere_but_not_discard_here(tmp_path: Path) -> None:
     cache = ChunkCache(tmp_path, 1 << 20)
     other = ChunkCache(tmp_path, 1 << 20)  # as another process would
