@@ -1,4 +1,5 @@
-"""Shared fixtures: a daemon serving on a real unix socket, and a gRPC stub for it."""
+"""Shared fixtures: a daemon serving on a real unix socket, a gRPC stub for it, and one real
+distribution registry for the whole session (tests push to repositories of their own)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,17 @@ import pytest
 from snapshotter._proto.containerd.services.snapshots.v1 import snapshots_pb2_grpc as pb_grpc
 from snapshotter.config import Config
 from snapshotter.daemon import Daemon
+from tests.fetch.registry import RegistryProcess, start_registry
+
+
+@pytest.fixture(scope="session")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryProcess]:
+    """`docker-registry serve` on loopback, plain HTTP, no auth; stopped after the session."""
+    reg = start_registry(tmp_path_factory.mktemp("registry"))
+    try:
+        yield reg
+    finally:
+        reg.stop()
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,19 +13,10 @@ from snapshotter.errors import FetchError
 from snapshotter.fetch import FetchConfig, RegistryClient
 from snapshotter.reader import BlobOrder, LayerReader, ReaderConfig, RegistryRangeSource, open_layer_reader
 from tests.blob.blobs import build_blob, file_bytes
-from tests.fetch.registry import RegistryProcess, push_blob, start_registry
+from tests.fetch.registry import RegistryProcess, push_blob
 
 FAST = FetchConfig(retries=1, backoff_initial=0.01, backoff_max=0.05, connect_timeout=2.0,
                    read_timeout=5.0, request_timeout=15.0)
-
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryProcess]:
-    reg = start_registry(tmp_path_factory.mktemp("blob-registry"))
-    try:
-        yield reg
-    finally:
-        reg.stop()
 
 
 def test_reads_through_registry_client(registry: RegistryProcess, tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ import pytest
 
 from integration.images import BuiltImage, Dir, Entry, File, Hardlink, Opaque, Symlink, Whiteout, build_image
 from tests.containerd_helper import Containerd, Facts, fs_tree, start_containerd
-from tests.fetch.registry import RegistryProcess, start_registry
+from tests.fetch.registry import RegistryProcess
 
 BIG = random.Random(7).randbytes((3 << 20) + 5)
 LAYERS: list[list[Entry]] = [
@@ -40,15 +40,6 @@ class Source:
     @property
     def oci(self) -> str:
         return f"oci:{self.layout}:v1"
-
-
-@pytest.fixture(scope="session")
-def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryProcess]:
-    reg = start_registry(tmp_path_factory.mktemp("convert-registry"))
-    try:
-        yield reg
-    finally:
-        reg.stop()
 
 
 @pytest.fixture(scope="session")

@@ -3,24 +3,20 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 
 import pytest
 
 from snapshotter.fetch import FetchConfig
-from tests.fetch.registry import PushedImage, RegistryProcess, push_image, start_registry
+from tests.fetch.registry import PushedImage, RegistryProcess, push_image
 
 FAST = FetchConfig(retries=2, backoff_initial=0.01, backoff_max=0.05, connect_timeout=2.0,
                    read_timeout=5.0, request_timeout=15.0)
 
 
 @pytest.fixture(scope="session")
-def origin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryProcess]:
-    reg = start_registry(tmp_path_factory.mktemp("origin"))
-    try:
-        yield reg
-    finally:
-        reg.stop()
+def origin(registry: RegistryProcess) -> RegistryProcess:
+    """The session's registry, as the origin that mirrors and proxies in these tests stand for."""
+    return registry
 
 
 @pytest.fixture(scope="session")
