@@ -20,9 +20,10 @@ length) that carry the TOC and a footer. Two layouts exist (see /work/shared/FOR
   `-tarsplit-position`. TOC digest = the manifest checksum = sha256 of the *compressed* TOC.
   Entries carry `endOffset` (a file's last chunk ends there) and `chunkType` ("" or "zeros").
 
-Both TOCs are one JSON shape (eStargz JTOC plus the containers/storage keys), parsed by one
-function here. Chunks are `Compression.ZSTD` ranges of the layer blob; "zeros" chunks get
-`Chunk.zeros` (their range still decompresses to zeros, but need not be fetched).
+Both TOCs are one JSON shape (eStargz JTOC plus the containers/storage keys), whose entries
+`jtoc.py` reads by the same rules as eStargz's. Chunks are `Compression.ZSTD` ranges of the
+layer blob; "zeros" chunks get `Chunk.zeros` (their range still decompresses to zeros, but need
+not be fetched).
 
 Writer: `write_zstdchunked` writes `Layout.STARGZ`, because that is the layout the rest of the
 containerd ecosystem we interoperate with reads lazily (stargz-snapshotter, `ctr-remote`), it has
@@ -53,7 +54,6 @@ from __future__ import annotations
 
 import base64
 import bisect
-import dataclasses
 import datetime
 import enum
 import hashlib
@@ -63,7 +63,7 @@ import re
 import struct
 import tarfile
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, BinaryIO
 
@@ -76,21 +76,13 @@ from snapshotter.formats.index import (
     PREFETCH_LANDMARK,
     Chunk,
     Compression,
-    Entry,
-    EntryType,
-    Landmark,
     LayerIndex,
-    check_chunks,
     normalize_name,
 )
+from snapshotter.formats.jtoc import ZSTD_CHUNKED, PendingEntry, build_entries, read_entries
 from snapshotter.formats.toc_fields import (
     DIGEST_RE,
     MAX_INT,
-    digest_field,
-    int_field,
-    mtime_ns_field,
-    str_field,
-    xattrs_field,
 )
 from snapshotter.gcpause import gc_paused
 
@@ -112,9 +104,7 @@ CONTAINERS_TARSPLIT_KEY = "io.github.containers.zstd-chunked.tarsplit-position"
 TOC_DIGEST_KEY = "containerd.io/snapshot/stargz/toc.digest"
 UNCOMPRESSED_SIZE_KEY = "io.containers.estargz.uncompressed-size"
 
-_MAX_ID = (1 << 32) - 1
 _DECIMAL_RE = re.compile(r"[0-9]{1,19}")
-_TYPES = {t.value: t for t in EntryType}
 _READ_BLOCK = 1 << 20
 
 
@@ -256,87 +246,33 @@ def _bounded_unzstd(compressed: bytes, limit: int, what: str) -> bytes:
 
 
 
-@dataclass
-class _RawChunk:
-    file_offset: int
-    size: int  # 0: up to the next chunk / the end of the file
-    blob_offset: int
-    inner_offset: int
-    digest: str | None
-    zeros: bool
-
-
-@dataclass
-class _Pending:
-    entry: Entry
-    end_offset: int = 0  # containers/storage endOffset: where the file's last chunk ends
-    chunks: list[_RawChunk] = field(default_factory=list)
-
-
-def _raw_chunk(raw: Mapping[str, Any], what: str) -> _RawChunk:
-    ctype = str_field(raw, "chunkType", what)
-    if ctype not in ("", "zeros"):
-        raise FormatError(f"{what}: unknown chunkType {ctype!r}")
-    return _RawChunk(
-        file_offset=int_field(raw, "chunkOffset", what),
-        size=int_field(raw, "chunkSize", what),
-        blob_offset=int_field(raw, "offset", what),
-        inner_offset=int_field(raw, "innerOffset", what),
-        digest=digest_field(raw, "chunkDigest", what),
-        zeros=ctype == "zeros",
-    )
-
-
-def _entry(raw: Mapping[str, Any], type_: EntryType, name: str, what: str) -> Entry:
-    link = str_field(raw, "linkName", what)
-    if type_ is EntryType.HARDLINK:
-        link = normalize_name(link, allow_root=False)
-    elif type_ is EntryType.SYMLINK:
-        if not link:
-            raise FormatError(f"{what}: symlink without a target")
-    else:
-        link = ""
-    dev = type_ in (EntryType.CHAR, EntryType.BLOCK)
-    return Entry(
-        name=name, type=type_, mode=int_field(raw, "mode", what) & 0o7777,
-        uid=int_field(raw, "uid", what, hi=_MAX_ID), gid=int_field(raw, "gid", what, hi=_MAX_ID),
-        mtime_ns=mtime_ns_field(raw, what), size=int_field(raw, "size", what) if type_ is EntryType.REG else 0,
-        link_target=link,
-        dev_major=int_field(raw, "devMajor", what, hi=_MAX_ID) if dev else 0,
-        dev_minor=int_field(raw, "devMinor", what, hi=_MAX_ID) if dev else 0,
-        xattrs=xattrs_field(raw, what),
-        digest=digest_field(raw, "digest", what) if type_ is EntryType.REG else None,
-    )
-
-
-def _finish_chunks(p: _Pending, offsets: Sequence[int], data_end: int, what: str) -> tuple[Chunk, ...]:
-    e = p.entry
-    if e.size == 0:
-        return ()
+def _finish_chunks(p: PendingEntry, offsets: Sequence[int], data_end: int, what: str) -> tuple[Chunk, ...]:
+    """A zstd chunk's compressed range runs to the next larger payload offset, the file's
+    endOffset (its last chunk), or `data_end`."""
     if not p.chunks:
-        raise FormatError(f"{what}: regular file {e.name!r} has {e.size} bytes but no payload offset")
+        raise FormatError(f"{what}: regular file {p.name!r} has {p.size} bytes but no payload offset")
     out: list[Chunk] = []
     for i, rc in enumerate(p.chunks):
         last = i + 1 == len(p.chunks)
-        end = e.size if last else p.chunks[i + 1].file_offset
+        end = p.size if last else p.chunks[i + 1].file_offset
         size = end - rc.file_offset
         if size <= 0 or (rc.size and rc.size != size):
-            raise FormatError(f"{what}: file {e.name!r}: chunk at file offset {rc.file_offset} (size "
+            raise FormatError(f"{what}: file {p.name!r}: chunk at file offset {rc.file_offset} (size "
                               f"{rc.size}) does not meet the next at {end}")
         if not 0 < rc.blob_offset < data_end:
-            raise FormatError(f"{what}: file {e.name!r}: chunk offset {rc.blob_offset} is outside the "
+            raise FormatError(f"{what}: file {p.name!r}: chunk offset {rc.blob_offset} is outside the "
                               f"data area [1, {data_end})")
         j = bisect.bisect_right(offsets, rc.blob_offset)
         blob_end = offsets[j] if j < len(offsets) else data_end
         if last and p.end_offset:
             # containers/storage: the last chunk's frame ends at endOffset; tar bytes may follow.
             if not rc.blob_offset < p.end_offset <= blob_end:
-                raise FormatError(f"{what}: file {e.name!r}: endOffset {p.end_offset} is not after "
+                raise FormatError(f"{what}: file {p.name!r}: endOffset {p.end_offset} is not after "
                                   f"{rc.blob_offset} and at most {blob_end}")
             blob_end = p.end_offset
         digest = rc.digest
         if digest is None and len(p.chunks) == 1:
-            digest = e.digest  # one chunk: the file digest covers exactly its bytes
+            digest = p.digest  # one chunk: the file digest covers exactly its bytes
         out.append(Chunk(file_offset=rc.file_offset, size=size, blob_offset=rc.blob_offset,
                          blob_size=blob_end - rc.blob_offset, compression=Compression.ZSTD,
                          digest=digest, inner_offset=rc.inner_offset, zeros=rc.zeros))
@@ -360,128 +296,6 @@ def _load_json(data: bytes, what: str) -> dict[str, Any]:
     if not isinstance(doc.get("entries", []), list):
         raise FormatError(f"{what}: TOC entries is not a list")
     return doc
-
-
-def index_from_toc(raws: Sequence[Any], *, data_end: int, what: str) -> tuple[list[Entry], Landmark, list[str]]:
-    """Entries of a JTOC-shaped "entries" list (eStargz keys plus containers/storage's endOffset and
-    chunkType), with zstd chunks whose ranges end at the next larger payload offset, the file's
-    endOffset, or `data_end`. Returns (entries, landmark, prefetch names).
-
-    Same rules as the eStargz TOC reader: no duplicate names, hard links must name a non-directory
-    in the layer, nlink = hard-link group size, directories 2 + listed subdirectories.
-    """
-    pending: list[_Pending] = []
-    by_name: dict[str, _Pending] = {}
-    offsets: set[int] = set()
-    last_reg: _Pending | None = None
-    for i, raw in enumerate(raws):
-        ewhat = f"{what}, entry {i}"
-        if not isinstance(raw, dict):
-            raise FormatError(f"{ewhat}: not an object")
-        kind = str_field(raw, "type", ewhat)
-        if kind == "chunk":
-            if last_reg is None or last_reg.entry.size == 0:
-                raise FormatError(f"{ewhat}: chunk entry does not follow a non-empty regular file")
-            cname = str_field(raw, "name", ewhat)
-            if cname and normalize_name(cname) != last_reg.entry.name:
-                raise FormatError(f"{ewhat}: chunk of {cname!r} follows file {last_reg.entry.name!r}")
-            rc = _raw_chunk(raw, ewhat)
-            last_reg.chunks.append(rc)
-            offsets.add(rc.blob_offset)
-            continue
-        if kind not in _TYPES:
-            raise FormatError(f"{ewhat}: unknown entry type {kind!r}")
-        type_ = _TYPES[kind]
-        name = normalize_name(str_field(raw, "name", ewhat))
-        ewhat = f"{what}, entry {name!r}"
-        if name in by_name:
-            raise FormatError(f"{ewhat}: listed twice")
-        if name == "" and type_ is not EntryType.DIR:
-            raise FormatError(f"{ewhat}: the root must be a directory, not {kind}")
-        p = _Pending(_entry(raw, type_, name, ewhat))
-        pending.append(p)
-        by_name[name] = p
-        last_reg = None
-        if type_ is EntryType.REG:
-            last_reg = p
-            if p.entry.size > 0:
-                rc = _raw_chunk(raw, ewhat)
-                if rc.file_offset != 0:
-                    raise FormatError(f"{ewhat}: first chunk starts at file offset {rc.file_offset}")
-                p.chunks.append(rc)
-                p.end_offset = int_field(raw, "endOffset", ewhat)
-                offsets.add(rc.blob_offset)
-                if p.end_offset:
-                    offsets.add(p.end_offset)
-
-    sorted_offsets = sorted(offsets)
-    group_size: dict[str, int] = {}
-    resolved: dict[str, str] = {}
-    for p in pending:
-        e = p.entry
-        if e.type is not EntryType.HARDLINK or e.name in resolved:
-            continue
-        # Follow link -> link -> ... once, then remember the answer for every name on the path
-        # (a hostile chain must not cost O(n^2)).
-        path: list[str] = []
-        on_path: set[str] = set()
-        name = e.name
-        while True:
-            t = by_name[name].entry
-            if t.type is not EntryType.HARDLINK:
-                target = name
-                break
-            if name in resolved:
-                target = resolved[name]
-                break
-            if name in on_path:
-                raise FormatError(f"{what}: hard link {e.name!r} is part of a link cycle")
-            path.append(name)
-            on_path.add(name)
-            if t.link_target not in by_name:
-                raise FormatError(f"{what}: hard link {name!r} names {t.link_target!r}, which is not in the layer")
-            name = t.link_target
-        if by_name[target].entry.type is EntryType.DIR:
-            raise FormatError(f"{what}: hard link {e.name!r} names directory {target!r}")
-        for link in path:
-            resolved[link] = target
-            group_size[target] = group_size.get(target, 1) + 1
-    subdirs: dict[str, int] = {}
-    for p in pending:
-        e = p.entry
-        if e.name and e.parent in by_name:
-            parent = by_name[e.parent].entry
-            if parent.type is not EntryType.DIR:
-                raise FormatError(f"{what}: {e.name!r} is inside {parent.name!r}, a {parent.type.value}")
-            if e.type is EntryType.DIR:
-                subdirs[e.parent] = subdirs.get(e.parent, 0) + 1
-
-    entries: list[Entry] = []
-    landmark = Landmark.NONE
-    prefetch: list[str] = []
-    for p in pending:
-        e = p.entry
-        changes: dict[str, Any] = {}
-        if e.type is EntryType.REG:
-            changes["chunks"] = _finish_chunks(p, sorted_offsets, data_end, what)
-        if e.type is EntryType.DIR:
-            changes["nlink"] = 2 + subdirs.get(e.name, 0)
-        else:
-            changes["nlink"] = group_size.get(resolved.get(e.name, e.name), 1)
-        e = dataclasses.replace(e, **changes)
-        try:
-            check_chunks(e)
-        except FormatError as exc:
-            raise FormatError(f"{what}: {exc}") from None
-        entries.append(e)
-        if landmark is Landmark.NONE and e.type is EntryType.REG:
-            if e.name == PREFETCH_LANDMARK:
-                landmark = Landmark.PREFETCH
-            elif e.name == NO_PREFETCH_LANDMARK:
-                landmark = Landmark.NO_PREFETCH
-            else:
-                prefetch.append(e.name)
-    return entries, landmark, prefetch if landmark is Landmark.PREFETCH else []
 
 
 def parse_manifest(compressed: bytes, *, blob_size: int, layer_digest: str, max_toc_bytes: int,
@@ -525,10 +339,12 @@ def parse_manifest(compressed: bytes, *, blob_size: int, layer_digest: str, max_
                 if layout is Layout.STARGZ else blob_size
         if data_end < 0 or data_end > blob_size:
             raise FormatError(f"{what}: data area [0, {data_end}) does not fit a {blob_size}-byte blob")
-        entries, landmark, prefetch = index_from_toc(raws, data_end=data_end, what=what)
+        toc = read_entries(raws, what, ZSTD_CHUNKED)
+        entries, landmark, prefetch = build_entries(
+            toc, lambda p, offs: _finish_chunks(p, offs, data_end, what), what)
         toc_digest = checksum if layout is Layout.CONTAINERS else "sha256:" + hashlib.sha256(data).hexdigest()
-        return LayerIndex(format=FORMAT_NAME, entries=tuple(entries), blobs=(layer_digest,), landmark=landmark,
-                          prefetch=tuple(prefetch), toc_digest=toc_digest)
+        return LayerIndex(format=FORMAT_NAME, entries=entries, blobs=(layer_digest,), landmark=landmark,
+                          prefetch=prefetch, toc_digest=toc_digest)
 
 
 # ---------------------------------------------------------------------------------------------

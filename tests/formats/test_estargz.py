@@ -513,6 +513,9 @@ def _hostile_docs(off: int, toc_off: int) -> Iterator[tuple[str, Any]]:
         {"name": "f", "type": "reg", "size": 4, "offset": off, "chunkSize": 4},
         {"name": "f", "type": "chunk", "offset": off, "chunkOffset": 4}]}
     yield "empty file with chunks", with_entry(size=0, chunkSize=4)
+    yield "chunk after empty file", {"version": 1, "entries": [
+        {"name": "f", "type": "reg", "size": 0},
+        {"name": "f", "type": "chunk", "offset": off, "chunkOffset": 0, "chunkSize": 4}]}
     yield "hardlink to nothing", plus({"name": "h", "type": "hardlink", "linkName": "nope"})
     yield "hardlink to dir", plus({"name": "h", "type": "hardlink", "linkName": "./"})
     yield "hardlink to root", plus({"name": "h", "type": "hardlink", "linkName": ""})

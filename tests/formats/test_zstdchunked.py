@@ -711,6 +711,10 @@ HOSTILE_DOCS: list[Any] = [
     {"version": 1, "entries": [{"type": "reg", "name": "x"}, {"type": "dir", "name": "x/y"}]},
     {"version": 1, "entries": [{"type": "dir", "name": "d"}, {"type": "hardlink", "name": "l", "linkName": "d"}]},
     {"version": 1, "entries": [{"type": "reg", "name": "."}]},
+    # The entry rules zstd:chunked shares with eStargz (formats/jtoc.py).
+    {"version": 1, "entries": [{"type": "reg", "name": "x", "size": 0, "chunkSize": 4}]},
+    {"version": 1, "entries": [{"type": "reg", "name": "x", "size": 0},
+                               {"type": "chunk", "name": "x", "offset": 1, "chunkOffset": 0}]},
 ]
 
 

@@ -1,0 +1,310 @@
+"""The entries list of a JTOC (the eStargz TOC JSON, which zstd:chunked reuses) into `Entry`s.
+Pure: JSON objects in, entries out.
+
+Both formats list entries in layer order: a regular file's first chunk rides on its "reg" entry,
+each further chunk is a following "chunk" entry. What differs is how a chunk's compressed range
+ends and how it is compressed, so the caller finishes each file's chunks (`finish`); everything
+else is one set of rules here:
+- names are normalized; a name listed twice, a root that is not a directory, an entry under a
+  listed non-directory, an unknown type, a chunk that does not follow a non-empty regular file
+  (or names another), an empty file with chunk fields: FormatError;
+- hard links must end, through any chain of links, at a non-directory of the layer (no cycles);
+  every name of a hard-link group gets the group's size as nlink; a directory gets 2 + the
+  subdirectories the TOC lists;
+- the first landmark file (`.prefetch.landmark` / `.no.prefetch.landmark`) sets the layer's
+  landmark; with the prefetch one, the regular files listed before it are the prefetch list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from snapshotter.errors import FormatError
+from snapshotter.formats.index import (
+    NO_PREFETCH_LANDMARK,
+    PREFETCH_LANDMARK,
+    Chunk,
+    Entry,
+    EntryType,
+    Landmark,
+    check_chunks,
+    normalize_name,
+)
+from snapshotter.formats.toc_fields import (
+    MAX_INT,
+    digest_field,
+    int_field,
+    mtime_ns_field,
+    str_field,
+    xattrs_field,
+)
+
+MAX_ID = (1 << 32) - 1
+TYPES = {t.value: t for t in EntryType}
+
+
+@dataclass(slots=True)
+class RawChunk:
+    """A chunk as the TOC gives it, before its compressed range is known."""
+
+    file_offset: int
+    size: int  # 0: up to the next chunk / the end of the file
+    blob_offset: int
+    inner_offset: int
+    digest: str | None
+    zeros: bool = False  # zstd:chunked chunkType "zeros"
+
+
+@dataclass(slots=True)
+class PendingEntry:
+    """An entry being built: Entry's fields but nlink and chunks, as attributes (a big TOC holds
+    100k of these at once, and reads their name and type several times each); regular files
+    collect their raw chunks here."""
+
+    name: str
+    type: EntryType
+    mode: int
+    uid: int
+    gid: int
+    mtime_ns: int
+    size: int
+    link_target: str
+    dev_major: int
+    dev_minor: int
+    xattrs: Mapping[str, bytes]
+    digest: str | None
+    chunks: list[RawChunk] = field(default_factory=list)
+    end_offset: int = 0  # zstd:chunked (containers/storage) endOffset: where the last chunk ends
+
+    def entry(self, nlink: int, chunks: tuple[Chunk, ...] = ()) -> Entry:
+        return Entry(name=self.name, type=self.type, mode=self.mode, uid=self.uid, gid=self.gid,
+                     mtime_ns=self.mtime_ns, size=self.size, link_target=self.link_target,
+                     dev_major=self.dev_major, dev_minor=self.dev_minor, xattrs=self.xattrs, nlink=nlink,
+                     digest=self.digest, chunks=chunks)
+
+
+@dataclass(frozen=True)
+class JtocDialect:
+    """What a format reads beyond eStargz's keys: `chunkType` ("" or "zeros") and `endOffset`."""
+
+    chunk_types: bool = False
+    end_offsets: bool = False
+
+
+ESTARGZ = JtocDialect()
+ZSTD_CHUNKED = JtocDialect(chunk_types=True, end_offsets=True)
+
+FinishChunks = Callable[[PendingEntry, list[int]], tuple[Chunk, ...]]
+
+
+def _name(raw: str) -> str:
+    """normalize_name, skipping the work for names that are already normal (most of them)."""
+    if raw and raw[0] not in "./" and raw[-1] not in "./" and "/." not in raw and "//" not in raw \
+            and "\x00" not in raw:
+        return raw
+    return normalize_name(raw)
+
+
+def _chunk(raw: Mapping[str, Any], what: str, dialect: JtocDialect) -> RawChunk:
+    get = raw.get
+    zeros = False
+    if dialect.chunk_types:
+        ctype = str_field(raw, "chunkType", what)
+        if ctype not in ("", "zeros"):
+            raise FormatError(f"{what}: unknown chunkType {ctype!r}")
+        zeros = ctype == "zeros"
+    file_offset, size, offset, inner = get("chunkOffset", 0), get("chunkSize", 0), get("offset", 0), \
+        get("innerOffset", 0)
+    if type(file_offset) is int and type(size) is int and type(offset) is int and type(inner) is int \
+            and 0 <= file_offset <= MAX_INT and 0 <= size <= MAX_INT and 0 <= offset <= MAX_INT \
+            and 0 <= inner <= MAX_INT:  # the usual case, checked inline (a big TOC has 100k of these)
+        return RawChunk(file_offset, size, offset, inner, digest_field(raw, "chunkDigest", what), zeros)
+    return RawChunk(
+        file_offset=int_field(raw, "chunkOffset", what),
+        size=int_field(raw, "chunkSize", what),
+        blob_offset=int_field(raw, "offset", what),
+        inner_offset=int_field(raw, "innerOffset", what),
+        digest=digest_field(raw, "chunkDigest", what),
+        zeros=zeros,
+    )
+
+
+def _pending(raw: Mapping[str, Any], type_: EntryType, name: str, what: str) -> PendingEntry:
+    link = str_field(raw, "linkName", what)
+    if type_ is EntryType.HARDLINK:
+        link = normalize_name(link, allow_root=False)
+    elif type_ is EntryType.SYMLINK:
+        if not link:
+            raise FormatError(f"{what}: symlink without a target")
+    else:
+        link = ""
+    size = int_field(raw, "size", what) if type_ is EntryType.REG else 0
+    dev = type_ in (EntryType.CHAR, EntryType.BLOCK)
+    get = raw.get
+    mode, uid, gid = get("mode", 0), get("uid", 0), get("gid", 0)
+    if not (type(mode) is int and type(uid) is int and type(gid) is int and 0 <= mode <= MAX_INT
+            and 0 <= uid <= MAX_ID and 0 <= gid <= MAX_ID):  # else the field readers say what is wrong
+        mode, uid, gid = int_field(raw, "mode", what), int_field(raw, "uid", what, hi=MAX_ID), \
+            int_field(raw, "gid", what, hi=MAX_ID)
+    return PendingEntry(
+        name, type_, mode & 0o7777, uid, gid, mtime_ns_field(raw, what), size, link,
+        int_field(raw, "devMajor", what, hi=MAX_ID) if dev else 0,
+        int_field(raw, "devMinor", what, hi=MAX_ID) if dev else 0,
+        xattrs_field(raw, what),
+        digest_field(raw, "digest", what) if type_ is EntryType.REG else None,
+    )
+
+
+@dataclass
+class TocEntries:
+    """`read_entries`'s result: the entries in TOC order, by name, and every payload offset the
+    TOC names, sorted (a chunk's compressed range ends at the next one)."""
+
+    pending: list[PendingEntry]
+    by_name: dict[str, PendingEntry]
+    offsets: list[int]
+
+
+def read_entries(raws: list[Any], what: str, dialect: JtocDialect) -> TocEntries:
+    """The TOC's entries with their raw chunks. Empties `raws` as it goes: each JSON object is
+    freed once read, so the peak memory is not the JSON objects plus the entries."""
+    pending: list[PendingEntry] = []
+    by_name: dict[str, PendingEntry] = {}
+    offsets: set[int] = set()
+    last_reg: PendingEntry | None = None
+    for i in range(len(raws)):
+        raw, raws[i] = raws[i], None
+        ewhat = f"{what}, entry {i}"
+        if not isinstance(raw, dict):
+            raise FormatError(f"{ewhat}: not an object")
+        kind = str_field(raw, "type", ewhat)
+        if kind == "chunk":
+            if last_reg is None or last_reg.size == 0:
+                raise FormatError(f"{ewhat}: chunk entry does not follow a non-empty regular file")
+            cname = str_field(raw, "name", ewhat)
+            if cname and normalize_name(cname) != last_reg.name:
+                raise FormatError(f"{ewhat}: chunk of {cname!r} follows file {last_reg.name!r}")
+            rc = _chunk(raw, ewhat, dialect)
+            last_reg.chunks.append(rc)
+            offsets.add(rc.blob_offset)
+            continue
+        type_ = TYPES.get(kind)
+        if type_ is None:
+            raise FormatError(f"{ewhat}: unknown entry type {kind!r}")
+        name = _name(str_field(raw, "name", ewhat))
+        ewhat = f"{what}, entry {name!r}"
+        if name in by_name:
+            raise FormatError(f"{ewhat}: listed twice")
+        if name == "" and type_ is not EntryType.DIR:
+            raise FormatError(f"{ewhat}: the root must be a directory, not {kind}")
+        p = _pending(raw, type_, name, ewhat)
+        pending.append(p)
+        by_name[name] = p
+        last_reg = None
+        if type_ is EntryType.REG:
+            last_reg = p
+            if p.size > 0:
+                rc = _chunk(raw, ewhat, dialect)
+                if rc.file_offset != 0:
+                    raise FormatError(f"{ewhat}: first chunk starts at file offset {rc.file_offset}")
+                p.chunks.append(rc)
+                offsets.add(rc.blob_offset)
+                if dialect.end_offsets:
+                    p.end_offset = int_field(raw, "endOffset", ewhat)
+                    if p.end_offset:
+                        offsets.add(p.end_offset)
+            elif raw.get("chunkSize") or raw.get("innerOffset"):
+                raise FormatError(f"{ewhat}: empty file with chunk fields")
+    return TocEntries(pending, by_name, sorted(offsets))
+
+
+def _link_nlinks(pending: list[PendingEntry], by_name: Mapping[str, PendingEntry], what: str) -> dict[str, int]:
+    """Every name in a hard-link group (the links and the entry they end at) -> the group's size.
+    Each link is resolved to the entry it finally names once, memoized, so a long chain of links
+    costs linear time and a cycle is caught."""
+    resolved: dict[str, str] = {}
+    for hl in pending:
+        if hl.type is not EntryType.HARDLINK or hl.name in resolved:
+            continue
+        walk = [hl.name]
+        seen = {hl.name}
+        target = hl.link_target
+        while True:
+            if target in resolved:
+                target = resolved[target]
+                break
+            t = by_name.get(target)
+            if t is None:
+                raise FormatError(f"{what}: hard link {walk[-1]!r} names {target!r}, which is not in the layer")
+            if t.type is not EntryType.HARDLINK:
+                break
+            if target in seen:
+                raise FormatError(f"{what}: hard link {hl.name!r} is part of a link cycle")
+            walk.append(target)
+            seen.add(target)
+            target = t.link_target
+        if by_name[target].type is EntryType.DIR:
+            raise FormatError(f"{what}: hard link {hl.name!r} names directory {target!r}")
+        for name in walk:
+            resolved[name] = target
+    group_size: dict[str, int] = {}
+    for target in resolved.values():
+        group_size[target] = group_size.get(target, 1) + 1
+    nlinks = {name: group_size[target] for name, target in resolved.items()}
+    nlinks.update(group_size)
+    return nlinks
+
+
+def _subdirectories(pending: list[PendingEntry], by_name: Mapping[str, PendingEntry], what: str) -> dict[str, int]:
+    """Directory name -> how many subdirectories the TOC lists in it; an entry under a listed
+    non-directory is a FormatError."""
+    subdirs: dict[str, int] = {}
+    for p in pending:
+        if not p.name:
+            continue
+        parent_name = p.name.rpartition("/")[0]
+        parent = by_name.get(parent_name)
+        if parent is not None:
+            if parent.type is not EntryType.DIR:
+                raise FormatError(f"{what}: {p.name!r} is inside {parent.name!r}, a {parent.type.value}")
+            if p.type is EntryType.DIR:
+                subdirs[parent_name] = subdirs.get(parent_name, 0) + 1
+    return subdirs
+
+
+def build_entries(toc: TocEntries, finish: FinishChunks,
+                  what: str) -> tuple[tuple[Entry, ...], Landmark, tuple[str, ...]]:
+    """(entries in TOC order, landmark, prefetch list) from `read_entries`'s result; `finish`
+    turns a non-empty regular file's raw chunks into Chunks (given the sorted payload offsets).
+    Empties `toc` as it goes."""
+    pending, by_name, offsets = toc.pending, toc.by_name, toc.offsets
+    nlinks = _link_nlinks(pending, by_name, what)
+    subdirs = _subdirectories(pending, by_name, what)
+    by_name.clear()  # from here each entry is referenced by `pending` only: free them as entries are made
+    entries: list[Entry] = []
+    landmark = Landmark.NONE
+    prefetch: list[str] = []
+    seen_landmark = False
+    for i in range(len(pending)):
+        p = pending[i]
+        pending[i] = None  # type: ignore[call-overload]
+        nlink = 2 + subdirs.get(p.name, 0) if p.type is EntryType.DIR else nlinks.get(p.name, 1)
+        if p.type is EntryType.REG:
+            e = p.entry(nlink, finish(p, offsets) if p.size else ())
+            try:
+                check_chunks(e)
+            except FormatError as exc:
+                raise FormatError(f"{what}: {exc}") from None
+        else:
+            e = p.entry(nlink)
+        entries.append(e)
+        if not seen_landmark and e.type is EntryType.REG:
+            if e.name == PREFETCH_LANDMARK:
+                landmark, seen_landmark = Landmark.PREFETCH, True
+            elif e.name == NO_PREFETCH_LANDMARK:
+                landmark, seen_landmark = Landmark.NO_PREFETCH, True
+            else:
+                prefetch.append(e.name)
+    return tuple(entries), landmark, tuple(prefetch) if landmark is Landmark.PREFETCH else ()
