@@ -46,6 +46,9 @@ log_level = "info"
 config_path = "{hosts}"
 request_timeout = 2.0
 retries = 1
+# Off for the same reason as the background fill below: a burst of misses would fetch the
+# files stored after the ones a test reads.
+amplify_bytes = 0
 
 [cache]
 max_bytes = {cache_max}
