@@ -76,7 +76,7 @@ class Config:
         "doc": "start an image's mount when its last layer is pulled lazily, before its first container asks "
                "(stopped again when no container uses it within 60 s)"})
     spare_mount_process: bool = field(default=True, metadata={
-        "doc": "keep one mount process started ahead, so an image's mount skips Python start-up (about 30 MiB "
+        "doc": "keep one mount process started ahead, so an image's mount skips Python start-up (about 37 MiB "
                "while it waits)"})
     registry: RegistryConfig = field(default_factory=RegistryConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
