@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import json
 import zlib
 from typing import Any
 
 from snapshotter.errors import DigestMismatch, FormatError, LimitExceeded
 from snapshotter.formats.estargz_footer import FOOTER_SIZE, MIN_GZIP_MEMBER
 from snapshotter.formats.index import Chunk, Compression, LayerIndex
-from snapshotter.formats.jtoc import ESTARGZ, PendingEntry, build_entries, read_entries
+from snapshotter.formats.jtoc import ESTARGZ, PendingEntry, build_entries, json_text, load_toc_json, read_entries
 from snapshotter.gcpause import gc_paused
 
 TOC_TAR_NAME = "stargz.index.json"
@@ -57,8 +56,12 @@ class _Inflater:
         self._what = what
 
     def read(self, n: int) -> bytes:
-        out = bytearray()
         try:
+            first = self._d.decompress(self._pending, n) if n > 0 and not self._d.eof else b""
+            self._pending = self._d.unconsumed_tail
+            if len(first) >= n or self._d.eof or not self._pending:
+                return first  # one call gave it all (the TOC JSON, usually): no second copy of it
+            out = bytearray(first)
             while len(out) < n and not self._d.eof:
                 piece = self._d.decompress(self._pending, n - len(out))
                 self._pending = self._d.unconsumed_tail
@@ -142,28 +145,6 @@ def _finish_chunks(p: PendingEntry, offsets: list[int], toc_offset: int, what: s
     return tuple(out)
 
 
-def _load_json(text: str, what: str) -> list[Any]:
-    def no_constants(c: str) -> Any:
-        raise FormatError(f"{what}: JSON constant {c} is not allowed")
-
-    try:
-        doc = json.loads(text, parse_constant=no_constants)
-    except (ValueError, RecursionError) as exc:
-        if isinstance(exc, FormatError):
-            raise
-        raise FormatError(f"{what}: TOC JSON is invalid: {str(exc)[:200]}") from None
-    if not isinstance(doc, dict):
-        raise FormatError(f"{what}: TOC JSON is not an object")
-    if doc.get("version") != 1 or type(doc.get("version")) is not int:
-        raise FormatError(f"{what}: TOC version {doc.get('version')!r}, expected 1")
-    entries = doc.get("entries")
-    if entries is None:
-        return []
-    if not isinstance(entries, list):
-        raise FormatError(f"{what}: TOC entries is not a list")
-    return entries
-
-
 def parse_toc(toc_member: bytes, *, blob_size: int, layer_digest: str, max_toc_bytes: int,
               expected_toc_digest: str | None = None, toc_offset: int | None = None) -> LayerIndex:
     """Parse the TOC gzip member (blob[toc_range(...)]) of a `blob_size`-byte layer.
@@ -187,12 +168,9 @@ def parse_toc(toc_member: bytes, *, blob_size: int, layer_digest: str, max_toc_b
     with gc_paused():
         # The JSON is as big as the index: hold one copy of it at a time (bytes, then text), never
         # while the objects are built.
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise FormatError(f"{what}: TOC JSON is invalid: {str(exc)[:200]}") from None
+        text = json_text(data, what)
         del data
-        raws = _load_json(text, what)
+        raws = load_toc_json(text, what).get("entries") or []
         del text
         return _build(raws, what, layer_digest, toc_offset, toc_digest)
 

@@ -17,6 +17,8 @@ else is one set of rules here:
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +45,73 @@ from snapshotter.formats.toc_fields import (
 
 MAX_ID = (1 << 32) - 1
 TYPES = {t.value: t for t in EntryType}
+
+
+_NON_ASCII = re.compile(rb"[\x80-\xff]+")
+_PIECE = 1 << 16  # json_text looks for non-ASCII bytes only in pieces that have some
+
+
+def _json_escape(m: re.Match[bytes]) -> str:
+    """A run of non-ASCII bytes (UTF-8) as JSON \\u escapes (UTF-16 code units: characters
+    beyond the BMP become surrogate pairs)."""
+    data, start = m.string, m.start()
+    before = start
+    while before > 0 and data[before - 1] == 0x5C:  # an odd run of backslashes escapes what follows
+        before -= 1
+    if (start - before) % 2:
+        raise ValueError(f"a backslash escapes the non-ASCII character at byte {start}")
+    units = m.group().decode("utf-8").encode("utf-16-be")
+    return "".join(f"\\u{units[i]:02x}{units[i + 1]:02x}" for i in range(0, len(units), 2))
+
+
+def json_text(data: bytes, what: str) -> str:
+    """The TOC JSON (UTF-8) as a str of ASCII characters only: each non-ASCII character (JSON
+    allows them only inside strings) becomes its \\u escape, which json.loads turns back into
+    the same character. A str takes 2 or 4 bytes per character as soon as one is not Latin-1, so
+    one such file name would otherwise double or quadruple the memory of a whole TOC's text while
+    it is parsed. Invalid UTF-8 is a FormatError."""
+    try:
+        if data.isascii():
+            return data.decode("ascii")
+        parts: list[str] = []
+        done = 0  # data[:done] is in parts
+        size = len(data)
+        for lo in range(0, size, _PIECE):
+            hi = min(lo + _PIECE, size)
+            if hi <= done or data[lo:hi].isascii():
+                continue
+            end = hi
+            while end < size and data[end] >= 0x80:  # a run of non-ASCII bytes stays whole
+                end += 1
+            for m in _NON_ASCII.finditer(data, max(lo, done), end):
+                parts.append(data[done:m.start()].decode("ascii"))
+                parts.append(_json_escape(m))
+                done = m.end()
+        parts.append(data[done:].decode("ascii"))
+        return "".join(parts)
+    except ValueError as exc:  # UnicodeDecodeError is one
+        raise FormatError(f"{what}: TOC JSON is invalid: {str(exc)[:200]}") from None
+
+
+def load_toc_json(text: str, what: str) -> dict[str, Any]:
+    """The TOC document: a JSON object with "version": 1 and, if present, an "entries" list.
+    NaN / Infinity and malformed JSON are FormatErrors."""
+    def no_constants(c: str) -> Any:
+        raise FormatError(f"{what}: JSON constant {c} is not allowed")
+
+    try:
+        doc = json.loads(text, parse_constant=no_constants)
+    except FormatError:
+        raise
+    except (ValueError, RecursionError) as exc:
+        raise FormatError(f"{what}: TOC JSON is invalid: {str(exc)[:200]}") from None
+    if not isinstance(doc, dict):
+        raise FormatError(f"{what}: TOC JSON is not an object")
+    if type(doc.get("version")) is not int or doc.get("version") != 1:
+        raise FormatError(f"{what}: TOC version {doc.get('version')!r}, expected 1")
+    if not isinstance(doc.get("entries", []), list):
+        raise FormatError(f"{what}: TOC entries is not a list")
+    return doc
 
 
 @dataclass(slots=True)

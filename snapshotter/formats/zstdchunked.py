@@ -79,7 +79,14 @@ from snapshotter.formats.index import (
     LayerIndex,
     normalize_name,
 )
-from snapshotter.formats.jtoc import ZSTD_CHUNKED, PendingEntry, build_entries, read_entries
+from snapshotter.formats.jtoc import (
+    ZSTD_CHUNKED,
+    PendingEntry,
+    build_entries,
+    json_text,
+    load_toc_json,
+    read_entries,
+)
 from snapshotter.formats.toc_fields import (
     DIGEST_RE,
     MAX_INT,
@@ -279,25 +286,6 @@ def _finish_chunks(p: PendingEntry, offsets: Sequence[int], data_end: int, what:
     return tuple(out)
 
 
-def _load_json(data: bytes, what: str) -> dict[str, Any]:
-    def no_constants(c: str) -> Any:
-        raise FormatError(f"{what}: JSON constant {c} is not allowed")
-
-    try:
-        doc = json.loads(data.decode("utf-8"), parse_constant=no_constants)
-    except FormatError:
-        raise
-    except (ValueError, RecursionError) as exc:
-        raise FormatError(f"{what}: TOC JSON is invalid: {str(exc)[:200]}") from None
-    if not isinstance(doc, dict):
-        raise FormatError(f"{what}: TOC JSON is not an object")
-    if type(doc.get("version")) is not int or doc.get("version") != 1:
-        raise FormatError(f"{what}: TOC version {doc.get('version')!r}, expected 1")
-    if not isinstance(doc.get("entries", []), list):
-        raise FormatError(f"{what}: TOC entries is not a list")
-    return doc
-
-
 def parse_manifest(compressed: bytes, *, blob_size: int, layer_digest: str, max_toc_bytes: int,
                    expected_checksum: str | None = None,
                    position: ManifestPosition | None = None) -> LayerIndex:
@@ -327,7 +315,7 @@ def parse_manifest(compressed: bytes, *, blob_size: int, layer_digest: str, max_
     if position is not None and len(data) != position.uncompressed_size:
         raise FormatError(f"{what}: decompresses to {len(data)} bytes, position says {position.uncompressed_size}")
     with gc_paused():  # about ten objects per entry and no cycles
-        doc = _load_json(data, what)
+        doc = load_toc_json(json_text(data, what), what)
         raws = doc.get("entries") or []
         if position is not None:
             layout = position.layout
