@@ -60,7 +60,12 @@ class Landmark(enum.Enum):
     NO_PREFETCH = "no_prefetch"
 
 
-@dataclass(frozen=True, slots=True)
+# Chunk and Entry are values: nothing changes one after it is made (use dataclasses.replace).
+# They are not declared frozen only for speed: a frozen dataclass's __init__ sets each field
+# through object.__setattr__, which made parsing an 11k-entry TOC 12 ms slower and loading its
+# index in a mount process 16 ms slower, both on a container's start path. Equality and hashing
+# are by value, as before (unsafe_hash).
+@dataclass(slots=True, unsafe_hash=True)
 class Chunk:
     """One piece of a regular file, as stored in a blob.
 
@@ -91,9 +96,9 @@ class Chunk:
         return self.file_offset + self.size
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class Entry:
-    """One tar entry of a layer.
+    """One tar entry of a layer (a value: see Chunk).
 
     mode holds permission bits only (0o7777); the type is `type`.
     link_target: symlink target, or for HARDLINK the normalized name of the entry linked to.
