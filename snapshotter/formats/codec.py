@@ -23,29 +23,25 @@ Buffer = bytes | bytearray | memoryview
 
 def _gunzip_prefix(data: Buffer, want: int) -> bytes:
     """The first `want` bytes of a gzip stream (which may span several members)."""
-    first = zlib.decompressobj(wbits=31)
+    if want <= 0:
+        return b""  # (zlib reads a max_length of 0 as "no limit")
+    d = zlib.decompressobj(wbits=31)
     try:
-        plain = first.decompress(data, want)
+        plain = d.decompress(data, want)
+        if len(plain) >= want or not d.eof or not d.unused_data:
+            # One member held it all (a chunk's usual case), or the stream ends short: either
+            # way this is the answer, with no copy of it.
+            return plain
+        out = bytearray(plain)
+        pending = d.unused_data
+        while len(out) < want and pending:  # the members after the first
+            d = zlib.decompressobj(wbits=31)
+            out += d.decompress(pending, want - len(out))
+            if not d.eof:
+                break  # cut short, or `want` reached inside this member
+            pending = d.unused_data
     except zlib.error as exc:
         raise FormatError(f"gzip data is corrupt: {exc}") from None
-    if len(plain) >= want or (first.eof and not first.unused_data):
-        return plain  # one member held it all (a chunk's usual case): no copy of the output
-    out = bytearray()
-    pending: Buffer = data
-    while len(out) < want and pending:
-        d = zlib.decompressobj(wbits=31)
-        try:
-            while len(out) < want:
-                piece = d.decompress(pending, want - len(out))
-                out += piece
-                pending = d.unconsumed_tail
-                if d.eof or (not piece and not pending):
-                    break
-        except zlib.error as exc:
-            raise FormatError(f"gzip data is corrupt: {exc}") from None
-        if not d.eof:
-            break
-        pending = d.unused_data
     return bytes(out)
 
 
