@@ -363,7 +363,7 @@ class RegistryClient:
 
         async def on_get(resp: httpx.Response, host: RegistryHost) -> Manifest:
             self._check_status(resp, ctx)
-            data = await self._read_body(resp, cap, ctx, exact=None)
+            data = await self._read_body(resp, cap)
             # By tag, the registry's Docker-Content-Digest is the only check there is.
             expected = want or resp.headers.get("Docker-Content-Digest")
             algo = (expected or "sha256:").split(":")[0]
@@ -425,7 +425,7 @@ class RegistryClient:
             got, total = self._content_range(resp)
             if total is None or got.end != total or got.length > length:
                 return None  # not the suffix asked for; read it the plain way
-            return await self._read_body(resp, got.length, ctx, exact=got.length), total
+            return bytes(await self._read_exact(resp, got.length)), total
 
         async with self._budget.hold(length):
             answer = await self._request(ctx, "GET", PULL, {"Range": f"bytes=-{length}"}, on_get)
@@ -542,10 +542,9 @@ class RegistryClient:
                     self._mark_no_multirange(host, f"answered one range {got} to a multi-range request")
                     raise _NoMultiRange
                 self._check_covers(got, total, brs)
-                data = await self._read_body(resp, got.length, ctx, exact=got.length)
-                return [data[b.start - got.start:b.end - got.start] for b in brs]
-            body = await self._read_body(resp, total_len + _MULTIPART_OVERHEAD * (len(brs) + 1) + 1024,
-                                         ctx, exact=None)
+                view = memoryview(await self._read_exact(resp, got.length))
+                return [bytes(view[b.start - got.start:b.end - got.start]) for b in brs]
+            body = await self._read_body(resp, total_len + _MULTIPART_OVERHEAD * (len(brs) + 1) + 1024)
             try:
                 parts = parse_multipart_byteranges(body, boundary)
             except RangeError as e:
@@ -633,15 +632,15 @@ class RegistryClient:
             raise _AttemptError(f"short body: {pos} of {length} bytes", retryable=True)
         return buf
 
-    async def _read_body(self, resp: httpx.Response, limit: int, ctx: _Ctx, *, exact: int | None) -> bytes:
+    async def _read_body(self, resp: httpx.Response, limit: int) -> bytes:
+        """A body of unknown length, at most `limit` bytes (a bigger one is not retried: the
+        next answer would be as big). A body whose length is known: `_read_exact`."""
         buf = bytearray()
         async for piece in resp.aiter_raw():
             self.stats.note_bytes(resp, len(piece))
             buf += piece
             if len(buf) > limit:
-                raise _AttemptError(f"body larger than {limit} bytes", retryable=exact is not None)
-        if exact is not None and len(buf) != exact:
-            raise _AttemptError(f"short body: {len(buf)} of {exact} bytes", retryable=True)
+                raise _AttemptError(f"body larger than {limit} bytes", retryable=False)
         return bytes(buf)
 
     def _limiter(self, host: str) -> trio.CapacityLimiter:
