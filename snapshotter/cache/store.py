@@ -77,6 +77,7 @@ CREATE INDEX IF NOT EXISTS pins_by_key ON pins(key);
 """
 
 _TMP_PREFIX = ".tmp."
+_EVICT_BATCH = 256
 # Whether preadv(..., RWF_NOWAIT) works here (Linux; off for good after a file system refuses it).
 _NOWAIT_READS = hasattr(os, "RWF_NOWAIT")
 
@@ -84,8 +85,6 @@ _NOWAIT_READS = hasattr(os, "RWF_NOWAIT")
 def _no_nowait_reads() -> None:
     global _NOWAIT_READS
     _NOWAIT_READS = False
-
-_EVICT_BATCH = 256
 
 
 @dataclass(frozen=True, slots=True)
