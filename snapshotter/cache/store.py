@@ -350,50 +350,49 @@ class ChunkCache:
 
     # -- writes -----------------------------------------------------------------------------
 
-    def put(self, key: str, data: bytes) -> bool:
+    def put(self, key: str, data: bytes | bytearray | memoryview) -> bool:
         """Store `data` as chunk `key` (the caller has verified it). True if it is now cached.
 
         False when it cannot fit: larger than max_bytes, or everything else is pinned.
         Storing a key that is already cached only refreshes its LRU position.
         """
-        path = self.path_for(key)
-        size = len(data)
-        if size > self.max_bytes:
+        if len(data) > self.max_bytes:
             return False
-        tmp: Path | None = None
         try:
-            if self._refresh_existing(key, path):
+            if self._refresh_existing(key, self.path_for(key)):
                 return True
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.parent / f"{_TMP_PREFIX}{os.getpid()}.{secrets.token_hex(6)}"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            with self._write() as db:
-                row = db.execute("SELECT size FROM chunks WHERE key = ?", (key,)).fetchone()
-                if row is not None:
-                    if path.exists():
-                        db.execute("UPDATE chunks SET atime = ? WHERE key = ?", (time.time(), key))
-                        return True
-                    db.execute("DELETE FROM chunks WHERE key = ?", (key,))
-                if not self._make_room(db, size, self.max_bytes):
-                    return False
-                os.replace(tmp, path)
-                tmp = None
-                db.execute("INSERT INTO chunks(key, size, atime) VALUES (?, ?, ?)", (key, size, time.time()))
-            return True
         except (sqlite3.Error, OSError) as exc:
             raise CacheError(f"chunk cache {self.root}: cannot store {key}: {exc}") from exc
-        finally:
-            if tmp is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
+        with self.writer(key) as w:
+            w.write(data)
+            return w.commit()
+
+    def writer(self, key: str) -> ChunkWriter:
+        """A store of chunk `key` whose bytes come in pieces (`ChunkWriter`); the caller verifies
+        them before `commit`. Use it as a context manager: what is not committed is removed."""
+        return ChunkWriter(self, key)
+
+    def commit_all(self, writers: list[ChunkWriter], *, keep_open: bool = False) -> list[bool]:
+        """`ChunkWriter.commit` of several writers of this cache in one index transaction (a
+        run of small chunks costs one transaction, not one each). A CacheError leaves none of
+        them committed; every writer is then aborted."""
+        if not writers:
+            return []
+        now = time.time()
+        try:
+            for w in writers:
+                w.flush()
+            with self._write() as db:
+                done = [w.commit_locked(db, now) for w in writers]
+        except (sqlite3.Error, OSError) as exc:
+            for w in writers:
+                w.abort()
+            keys = ", ".join(w.key for w in writers)
+            raise CacheError(f"chunk cache {self.root}: cannot store {keys[:300]}: {exc}") from exc
+        for w, ok in zip(writers, done, strict=True):
+            if ok:
+                w.finish_commit(now, keep_open=keep_open)
+        return done
 
     def _refresh_existing(self, key: str, path: Path) -> bool:
         with self._read() as db:
@@ -622,3 +621,112 @@ class ChunkCache:
             return now - full.stat().st_mtime > grace
         except FileNotFoundError:
             return False
+
+
+class ChunkWriter:
+    """One chunk being written to the cache: `write` its bytes in order, then `commit()`, or
+    `abort()` (leaving the with block does that unless committed). The bytes go to a temp file
+    beside the chunk's place; nothing of them is served before the commit, which renames the
+    file into place and inserts its row in one transaction (see the module docstring), making
+    room by LRU eviction as `put` does. Blocking, like the rest of ChunkCache. CacheError (naming
+    the key) for IO and index failures; the temp file is removed on every failure."""
+
+    def __init__(self, cache: ChunkCache, key: str) -> None:
+        self.cache = cache
+        self.key = key
+        self.size = 0
+        self.committed = False
+        self._path = cache.path_for(key)
+        self._tmp: Path | None = None
+        self._fd = -1
+
+    def __enter__(self) -> ChunkWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.abort()
+
+    def _error(self, exc: BaseException, doing: str) -> CacheError:
+        self.abort()
+        return CacheError(f"chunk cache {self.cache.root}: cannot {doing} {self.key}: {exc}")
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        try:
+            if self._fd < 0:
+                self._tmp = self._path.parent / f"{_TMP_PREFIX}{os.getpid()}.{secrets.token_hex(6)}"
+                flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+                try:
+                    self._fd = os.open(self._tmp, flags, 0o644)
+                except FileNotFoundError:  # the chunk's directory is new (a stat per chunk costs more)
+                    self._path.parent.mkdir(parents=True, exist_ok=True)
+                    self._fd = os.open(self._tmp, flags, 0o644)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view):]
+            self.size += len(data)
+        except OSError as exc:
+            raise self._error(exc, "store") from exc
+
+    def read_back(self) -> bytes:
+        """The bytes written so far (before `abort`; for a caller whose commit found no room)."""
+        if self._fd < 0:
+            return b""
+        try:
+            return os.pread(self._fd, self.size, 0)
+        except OSError as exc:
+            raise self._error(exc, "read back") from exc
+
+    def commit(self, *, keep_open: bool = False) -> bool:
+        """Make the written bytes chunk `key`. True when it is cached (also when another writer
+        stored it first); False when it cannot fit (the bytes stay readable with `read_back`
+        until `abort`). keep_open: the file joins the open chunk files (see `get`), for reads of
+        it that are about to follow."""
+        return self.cache.commit_all([self], keep_open=keep_open)[0]
+
+    def flush(self) -> None:
+        """Before the commit's transaction: the file exists (an empty chunk too) and is on disk
+        when the cache fsyncs."""
+        if self._fd < 0:
+            self.write(b"")
+        if self.cache.fsync:
+            os.fsync(self._fd)
+
+    def commit_locked(self, db: sqlite3.Connection, now: float) -> bool:
+        """The commit inside the cache's write transaction (see `ChunkCache.commit_all`)."""
+        cache = self.cache
+        if self.size > cache.max_bytes:
+            return False
+        row = db.execute("SELECT size FROM chunks WHERE key = ?", (self.key,)).fetchone()
+        if row is not None:
+            if self._path.exists():
+                db.execute("UPDATE chunks SET atime = ? WHERE key = ?", (now, self.key))
+                self.abort()  # stored by another writer first
+                return True
+            db.execute("DELETE FROM chunks WHERE key = ?", (self.key,))
+        if not cache._make_room(db, self.size, cache.max_bytes):
+            return False
+        assert self._tmp is not None
+        os.replace(self._tmp, self._path)
+        self._tmp = None
+        db.execute("INSERT INTO chunks(key, size, atime) VALUES (?, ?, ?)", (self.key, self.size, now))
+        return True
+
+    def finish_commit(self, now: float, *, keep_open: bool) -> None:
+        """After the transaction: keep the file open for reads (keep_open) or close it."""
+        self.committed = True
+        if keep_open and self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            self.cache._open_files.checkin(self.cache._open_files.adopt(self.key, fd, self.size, now))
+        else:
+            self.abort()
+
+    def abort(self) -> None:
+        """Forget what was written (no effect after a commit)."""
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if self._tmp is not None:
+            tmp, self._tmp = self._tmp, None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)

@@ -85,6 +85,14 @@ class BlobPiece(Protocol):
     def blob_size(self) -> int: ...
 
 
+class BodySink(Protocol):
+    """Where `stream_range` puts a range's bytes (structurally, the reader's RangeSink)."""
+
+    async def restart(self) -> None: ...
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None: ...
+
+
 class RegistryError(FetchError):
     """A registry request failed. `status` is the last HTTP status seen, if any."""
 
@@ -491,23 +499,30 @@ class RegistryClient:
                 nursery.start_soon(one, i)
         return out
 
+    def _range_answer(self, resp: httpx.Response, br: ByteRange, ctx: _Ctx) -> ByteRange | None:
+        """What a single-range GET answered: the Content-Range of a 206 that covers `br`, or None
+        for a 200 (the whole blob: a server that ignores Range). Other answers raise."""
+        self.stats.range_requests += 1
+        if resp.status_code == 200:
+            return None
+        if resp.status_code == 416:
+            cr = resp.headers.get("Content-Range")
+            raise _AttemptError(f"range not satisfiable (Content-Range {cr})", retryable=False, status=416)
+        self._check_status(resp, ctx)
+        if resp.status_code != 206:
+            raise _AttemptError(f"unexpected status {resp.status_code} for a range request",
+                                retryable=True, status=resp.status_code)
+        got, total = self._content_range(resp)
+        self._check_covers(got, total, [br])
+        return got
+
     async def _read_single(self, r: Reference, digest: str, br: ByteRange) -> bytes | bytearray:
         ctx = _Ctx(r, "blob", digest, str(br))
 
         async def on_get(resp: httpx.Response, host: RegistryHost) -> bytes | bytearray:
-            self.stats.range_requests += 1
-            if resp.status_code == 200:
+            got = self._range_answer(resp, br, ctx)
+            if got is None:
                 return await self._slice_full_body(resp, br, ctx, host)
-            if resp.status_code == 416:
-                cr = resp.headers.get("Content-Range")
-                raise _AttemptError(f"range not satisfiable (Content-Range {cr})", retryable=False,
-                                    status=416)
-            self._check_status(resp, ctx)
-            if resp.status_code != 206:
-                raise _AttemptError(f"unexpected status {resp.status_code} for a range request",
-                                    retryable=True, status=resp.status_code)
-            got, total = self._content_range(resp)
-            self._check_covers(got, total, [br])
             data = await self._read_exact(resp, got.length)
             start = br.start - got.start
             if start == 0 and got.length == br.length:
@@ -515,6 +530,54 @@ class RegistryClient:
             return bytes(memoryview(data)[start:start + br.length])
 
         return await self._request(ctx, "GET", PULL, {"Range": range_header([br])}, on_get)
+
+    async def stream_range(self, repo: Reference | str, digest: str, offset: int, length: int,
+                           sink: BodySink) -> None:
+        """`read_range`, but the bytes go to `sink.write` in pieces as they arrive (nothing is
+        held here); a retried request first calls `sink.restart()`. The same errors and retries
+        as `read_range`; what the sink raises ends the read and comes out as itself."""
+        if offset < 0 or length < 0:
+            raise ValueError(f"bad range {offset}+{length}")
+        if length == 0:
+            return
+        r = _as_ref(repo)
+        br = ByteRange(offset, offset + length)
+        ctx = _Ctx(r, "blob", digest, str(br))
+        started = False
+
+        async def on_get(resp: httpx.Response, host: RegistryHost) -> None:
+            nonlocal started
+            got = self._range_answer(resp, br, ctx)
+            if got is None:
+                log.info("%s: server ignored Range and sent the whole blob; slicing it", ctx.describe(host))
+            if started:
+                await sink.restart()
+            started = True
+            skip = br.start - (0 if got is None else got.start)
+            body = None if got is None else got.length  # a 206 body must be exactly its Content-Range
+            await self._stream_body(resp, skip, br.length, body, sink)
+
+        async with self._budget.hold(length):
+            await self._request(ctx, "GET", PULL, {"Range": range_header([br])}, on_get)
+
+    async def _stream_body(self, resp: httpx.Response, skip: int, length: int, body: int | None,
+                           sink: BodySink) -> None:
+        """Body bytes [skip, skip+length) to the sink; `body`: the body's exact length (the rest
+        after the wanted bytes is read and dropped), None: any length (reading stops early)."""
+        seen = given = 0
+        async for piece in resp.aiter_raw():
+            self.stats.note_bytes(resp, len(piece))
+            lo, seen = seen, seen + len(piece)
+            if body is not None and seen > body:
+                raise _AttemptError(f"body larger than {body} bytes", retryable=True)
+            a, b = max(skip, lo), min(skip + length, seen)
+            if a < b:
+                await sink.write(piece if (a, b) == (lo, seen) else memoryview(piece)[a - lo:b - lo])
+                given += b - a
+            if body is None and given == length:
+                return
+        if given != length or (body is not None and seen != body):
+            raise _AttemptError(f"short body: {seen} of {length if body is None else body} bytes", retryable=True)
 
     async def _read_multi(self, r: Reference, digest: str, brs: list[ByteRange]) -> list[bytes]:
         ctx = _Ctx(r, "blob", digest, ",".join(b.header_spec() for b in brs))

@@ -5,11 +5,17 @@ chunk.blob_offset + chunk.blob_size] and returns exactly `chunk.size` bytes: the
 stream from `chunk.inner_offset` on. It never produces more than inner_offset + size bytes of
 output (a hostile member cannot blow up memory) and raises FormatError when the data is not
 valid or too short.
+
+`ChunkDecoder` does the same from compressed bytes that arrive in pieces (a range answer being
+read), handing the file bytes out in pieces of at most `max_piece` bytes as they are decoded, so
+that neither the compressed nor the uncompressed chunk is ever held whole (but for LZ4 blocks,
+which only decode whole). `decompress_chunk` and `decompress_prefix` are the one-piece use of it.
 """
 
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 
 import zstandard
 
@@ -19,80 +25,192 @@ from snapshotter.formats.index import Chunk, Compression
 _BLOCK = 1 << 16
 # What the decoders read: a fetch's buffer or a view into it (no copy per chunk of a merged run).
 Buffer = bytes | bytearray | memoryview
+Emit = Callable[[bytes], None]
+DEFAULT_PIECE = 1 << 20
 
 
-def _gunzip_prefix(data: Buffer, want: int) -> bytes:
-    """The first `want` bytes of a gzip stream (which may span several members)."""
-    if want <= 0:
-        return b""  # (zlib reads a max_length of 0 as "no limit")
-    d = zlib.decompressobj(wbits=31)
-    try:
-        plain = d.decompress(data, want)
-        if len(plain) >= want or not d.eof or not d.unused_data:
-            # One member held it all (a chunk's usual case), or the stream ends short: either
-            # way this is the answer, with no copy of it.
-            return plain
-        out = bytearray(plain)
-        pending = d.unused_data
-        while len(out) < want and pending:  # the members after the first
-            d = zlib.decompressobj(wbits=31)
-            out += d.decompress(pending, want - len(out))
-            if not d.eof:
-                break  # cut short, or `want` reached inside this member
-            pending = d.unused_data
-    except zlib.error as exc:
-        raise FormatError(f"gzip data is corrupt: {exc}") from None
-    return bytes(out)
+class StreamDecoder:
+    """The first `want` bytes of the uncompressed stream that the fed bytes start, given to
+    `emit` in pieces of at most `max_piece` bytes (each piece a bytes object of its own).
+
+    gzip and zstd streams may span several members / frames (zstd skippable frames allowed);
+    input after the `want`-th output byte is not looked at. `produced` counts what was emitted.
+    Corrupt input raises FormatError; a stream that ends short is not an error here (see
+    `ChunkDecoder.finish`).
+    """
+
+    def __init__(self, compression: Compression, want: int, emit: Emit, *, max_piece: int = DEFAULT_PIECE) -> None:
+        if compression not in (Compression.NONE, Compression.GZIP, Compression.ZSTD, Compression.LZ4_BLOCK):
+            raise FormatError(f"unsupported compression {compression}")
+        self.compression = compression
+        self.want = want
+        self.produced = 0
+        self._emit = emit
+        self._max_piece = max(1, max_piece)
+        self._gzip: zlib._Decompress | None = None
+        self._zstd: zstandard.ZstdDecompressionObj | None = None
+        self._zstd_out = bytearray()
+        self._lz4 = bytearray()
+
+    @property
+    def complete(self) -> bool:
+        return self.produced >= self.want
+
+    def feed(self, data: Buffer) -> None:
+        if self.complete or not data:
+            return
+        if self.compression is Compression.GZIP:
+            self._feed_gzip(data)
+        elif self.compression is Compression.ZSTD:
+            self._feed_zstd(data)
+        elif self.compression is Compression.LZ4_BLOCK:
+            self._lz4 += data
+        else:
+            self._give(bytes(memoryview(data)[:self.want - self.produced]))
+        if self.complete:
+            # The decompressor (zlib's state and 32 KiB window) goes now, not with this object:
+            # a run's decoders live until its last chunk is in.
+            self._gzip = self._zstd = None
+
+    def close(self) -> None:
+        """No more input: decode what only decodes whole (an LZ4 block) and flush."""
+        if self.compression is Compression.LZ4_BLOCK and not self.complete and self._lz4:
+            from snapshotter.formats.lz4block import decompress_block
+
+            block, self._lz4 = bytes(self._lz4), bytearray()
+            self._give(decompress_block(block, max_output=self.want)[:self.want])
+        if self._zstd_out:
+            self._flush_zstd(final=True)
+
+    def _give(self, piece: bytes) -> None:
+        """Emit `piece` (already cut to `want`) in pieces of at most max_piece."""
+        if len(piece) <= self._max_piece:
+            if piece:
+                self.produced += len(piece)
+                self._emit(piece)
+            return
+        view = memoryview(piece)
+        for i in range(0, len(piece), self._max_piece):
+            part = bytes(view[i:i + self._max_piece])
+            self.produced += len(part)
+            self._emit(part)
+
+    def _feed_gzip(self, data: Buffer) -> None:
+        pending: Buffer = data
+        try:
+            while pending and not self.complete:
+                if self._gzip is None:
+                    self._gzip = zlib.decompressobj(wbits=31)
+                d = self._gzip
+                before = len(pending)
+                out = d.decompress(pending, min(self.want - self.produced, self._max_piece))
+                if d.eof:
+                    pending = d.unused_data  # the next member starts there
+                    self._gzip = None
+                else:
+                    pending = d.unconsumed_tail  # output was capped; the rest of the input waits
+                if out:
+                    self.produced += len(out)
+                    self._emit(out)
+                elif not d.eof and (not pending or len(pending) == before):
+                    break  # needs more input (or, on hostile input, made no progress)
+        except zlib.error as exc:
+            raise FormatError(f"gzip data is corrupt: {exc}") from None
+
+    def _feed_zstd(self, data: Buffer) -> None:
+        view = memoryview(data)
+        pos = 0
+        try:
+            while pos < len(view) and not self.complete:
+                if self._zstd is None:
+                    self._zstd = zstandard.ZstdDecompressor().decompressobj()
+                d = self._zstd
+                # Small slices keep the output of one call bounded by about a block.
+                piece = view[pos:pos + _BLOCK].tobytes()
+                pos += len(piece)
+                self._zstd_out += d.decompress(piece)
+                if d.eof:
+                    self._zstd = None
+                    rest = d.unused_data
+                    if rest:  # the next frame started inside this slice: give it back
+                        pos -= len(rest)
+                self._flush_zstd(final=False)
+        except zstandard.ZstdError as exc:
+            raise FormatError(f"zstd data is corrupt: {exc}") from None
+
+    def _flush_zstd(self, *, final: bool) -> None:
+        out = self._zstd_out
+        limit = self.want - self.produced
+        if len(out) >= limit:
+            self._zstd_out = bytearray()
+            self._give(bytes(out[:limit]))
+        elif final or len(out) >= self._max_piece:
+            self._zstd_out = bytearray()
+            self._give(bytes(out))
 
 
-def _unzstd_prefix(data: Buffer, want: int) -> bytes:
-    """The first `want` bytes of a zstd stream (frames concatenated; skippable frames allowed)."""
-    out = bytearray()
-    pending = data
-    try:
-        while len(out) < want and pending:
-            d = zstandard.ZstdDecompressor().decompressobj()
-            view = memoryview(pending)
-            pos = 0
-            while len(out) < want and pos < len(view) and not d.eof:
-                # Feed small slices so output stays bounded by roughly want + one block.
-                out += d.decompress(view[pos:pos + _BLOCK].tobytes())
-                pos += _BLOCK
-            if not d.eof:
-                break
-            pending = d.unused_data + view[pos:].tobytes()
-    except zstandard.ZstdError as exc:
-        raise FormatError(f"zstd data is corrupt: {exc}") from None
-    return bytes(out[:want])
+class ChunkDecoder:
+    """Streaming `decompress_chunk`: feed `chunk`'s compressed bytes in order (in any pieces),
+    then `finish()`; `emit` receives exactly the chunk's `size` file bytes in all (the stream
+    after `inner_offset`), in pieces of at most `max_piece` bytes. A `zeros` chunk ignores its
+    input and emits zeros. FormatError for corrupt data or, from `finish`, a short stream."""
+
+    def __init__(self, chunk: Chunk, emit: Emit, *, max_piece: int = DEFAULT_PIECE) -> None:
+        self.chunk = chunk
+        self._emit = emit
+        self._max_piece = max(1, max_piece)
+        self._skip = chunk.inner_offset
+        self._stream = None if chunk.zeros else StreamDecoder(
+            chunk.compression, chunk.inner_offset + chunk.size, self._take, max_piece=max_piece)
+
+    def _take(self, piece: bytes) -> None:
+        if self._skip:
+            n = min(self._skip, len(piece))
+            self._skip -= n
+            piece = piece[n:]
+        if piece:
+            self._emit(piece)
+
+    def feed(self, data: Buffer) -> None:
+        if self._stream is not None:
+            self._stream.feed(data)
+
+    def finish(self) -> None:
+        chunk = self.chunk
+        if self._stream is None:
+            for i in range(0, chunk.size, self._max_piece):
+                self._emit(bytes(min(self._max_piece, chunk.size - i)))
+            return
+        self._stream.close()
+        if not self._stream.complete:
+            raise FormatError(
+                f"chunk at blob offset {chunk.blob_offset} ({chunk.compression.value}) decompressed to "
+                f"{self._stream.produced} bytes, expected at least {self._stream.want}"
+            )
+
+
+def _one_piece(pieces: list[bytes]) -> bytes:
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 def decompress_prefix(compression: Compression, data: Buffer, want: int) -> bytes:
     """Up to `want` bytes of the uncompressed stream that `data` starts."""
-    if compression is Compression.NONE:
-        return bytes(memoryview(data)[:want])
-    if compression is Compression.GZIP:
-        return _gunzip_prefix(data, want)
-    if compression is Compression.ZSTD:
-        return _unzstd_prefix(data, want)
-    if compression is Compression.LZ4_BLOCK:
-        from snapshotter.formats.lz4block import decompress_block
-
-        return decompress_block(bytes(data), max_output=want)[:want]
-    raise FormatError(f"unsupported compression {compression}")
+    pieces: list[bytes] = []
+    if want > 0:
+        decoder = StreamDecoder(compression, want, pieces.append, max_piece=want)
+        decoder.feed(data)
+        decoder.close()
+    return _one_piece(pieces)
 
 
 def decompress_chunk(chunk: Chunk, data: Buffer) -> bytes:
     """The chunk's `size` file bytes from its compressed blob range `data`.
 
     A `zeros` chunk is all zeros by definition; `data` is not looked at (it may be empty).
+    A chunk of one gzip member with no inner offset decompresses straight to its bytes (no copy).
     """
-    if chunk.zeros:
-        return bytes(chunk.size)
-    want = chunk.inner_offset + chunk.size
-    plain = decompress_prefix(chunk.compression, data, want)
-    if len(plain) < want:
-        raise FormatError(
-            f"chunk at blob offset {chunk.blob_offset} ({chunk.compression.value}) decompressed to "
-            f"{len(plain)} bytes, expected at least {want}"
-        )
-    return plain if chunk.inner_offset == 0 and len(plain) == want else plain[chunk.inner_offset:want]
+    pieces: list[bytes] = []
+    decoder = ChunkDecoder(chunk, pieces.append, max_piece=max(1, chunk.inner_offset + chunk.size))
+    decoder.feed(data)
+    decoder.finish()
+    return _one_piece(pieces)

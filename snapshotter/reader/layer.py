@@ -52,12 +52,13 @@ from snapshotter.errors import (
     LimitExceeded,
     SnapshotterError,
 )
-from snapshotter.formats.codec import Buffer, decompress_chunk
+from snapshotter.formats.codec import DEFAULT_PIECE, Buffer, decompress_chunk
 from snapshotter.formats.digest import check_digest
-from snapshotter.formats.index import Chunk, Entry, EntryType
+from snapshotter.formats.index import Chunk, Compression, Entry, EntryType
 from snapshotter.reader.budget import ByteBudget
 from snapshotter.reader.neighbours import BlobOrder
-from snapshotter.reader.source import RangeSource
+from snapshotter.reader.runstream import CacheTarget, ChunkOutcome, MemoryTarget, RunDecoder, TargetFactory
+from snapshotter.reader.source import RangeSource, StreamingRangeSource
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,11 @@ def fetch_cause(cause: str) -> Iterator[None]:
 # have got to continues the stream (256 KiB reset it about every other 1 MiB read, and each reset
 # started the read-ahead window again).
 _SEQ_SLACK = 4 << 20
+# A streamed range answer is decoded a batch of at least this many compressed bytes at a time.
+_STREAM_BATCH = 256 << 10
+# How often a read fetches chunks into the cache and reads them back before giving up (only a
+# cache evicting them as fast as they come needs more than one).
+_STORED_READ_ROUNDS = 3
 
 
 def describe_source(source: object, blob: int) -> str:
@@ -161,20 +167,22 @@ class ReaderStatistics:
 
 class _Flight:
     """One chunk being fetched. Stays in the in-flight table until its bytes are in the cache
-    (`storing`: finished, cache write still running), so nobody fetches it again meanwhile."""
+    (`storing`: finished, cache write still running), so nobody fetches it again meanwhile.
+    It ends with its bytes in the cache (`stored`), in memory (`data`), or an `error`."""
 
-    __slots__ = ("done", "data", "error", "abandoned", "storing")
+    __slots__ = ("done", "data", "stored", "error", "abandoned", "storing")
 
     def __init__(self) -> None:
         self.done = trio.Event()
         self.data: bytes | None = None
+        self.stored = False
         self.error: BaseException | None = None
         self.abandoned = False
         self.storing = False
 
-    def finish(self, data: bytes | None = None, error: BaseException | None = None) -> None:
+    def finish(self, data: bytes | None = None, error: BaseException | None = None, *, stored: bool = False) -> None:
         if not self.done.is_set():
-            self.data, self.error = data, error
+            self.data, self.error, self.stored = data, error, stored
             self.done.set()
 
     def abandon(self) -> None:
@@ -193,10 +201,14 @@ class _SeqState:
 @dataclass
 class _Job:
     """Chunks this task leads, keyed by cache key, how to group them into range requests
-    (`max_gap`, `max_run_bytes`; 0: contiguous ranges up to max_merge_bytes) and what it cost."""
+    (`max_gap`, `max_run_bytes`; 0: contiguous ranges up to max_merge_bytes) and what it cost.
+    `waited`: the keys a read waits for (the rest, amplified neighbours, may come later);
+    `in_memory`: fetch into memory, not into the cache."""
 
     chunks: dict[str, Chunk] = field(default_factory=dict)
     flights: dict[str, _Flight] = field(default_factory=dict)
+    waited: set[str] = field(default_factory=set)
+    in_memory: bool = False
     max_gap: int = 0
     max_run_bytes: int = 0
     requests: int = 0
@@ -217,6 +229,41 @@ class FetchTally:
     present: int = 0
     skipped: int = 0
     failed: int = 0
+
+
+class _DecoderSink:
+    """A RangeSink feeding a RunDecoder in worker threads, a batch of at least _STREAM_BATCH
+    bytes at a time (a thread hop per network read would cost more than the decoding)."""
+
+    def __init__(self, decoder: RunDecoder) -> None:
+        self._decoder = decoder
+        self._batch = bytearray()
+        self.received = 0
+
+    async def restart(self) -> None:
+        self._batch = bytearray()
+        self.received = 0
+        await trio.to_thread.run_sync(self._decoder.reset)
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.received += len(data)
+        if not self._batch and len(data) >= _STREAM_BATCH:
+            await self._feed(data)
+            return
+        self._batch += data
+        if len(self._batch) >= _STREAM_BATCH:
+            batch, self._batch = self._batch, bytearray()
+            await self._feed(batch)
+
+    async def close(self) -> None:
+        """The bytes ended: decode the rest and end every chunk."""
+        if self._batch:
+            batch, self._batch = self._batch, bytearray()
+            await self._feed(batch)
+        await trio.to_thread.run_sync(self._decoder.close)
+
+    async def _feed(self, data: bytes | bytearray | memoryview) -> None:
+        await trio.to_thread.run_sync(self._decoder.feed, data)
 
 
 class LayerReader:
@@ -319,7 +366,7 @@ class LayerReader:
         for flight in job.flights.values():
             if flight.error is not None:
                 tally.failed += 1
-            elif flight.data is not None:
+            elif flight.data is not None or flight.stored:
                 tally.fetched += 1
         return tally
 
@@ -349,18 +396,47 @@ class LayerReader:
             found.update((rest[j], data) for j, data in more.items())
         missing = {keys[i]: chunks[i] for i in range(len(chunks)) if i not in found}
         self.stats.cache_misses += len(missing)
-        full = await self._obtain(missing, await self._neighbours(missing)) if missing else {}
-        return [
-            found[i] if i in found else full[keys[i]][lo:hi] for i, (lo, hi) in enumerate(spans)
-        ]
+        extra = await self._neighbours(missing) if missing else None
+        for round_no in range(_STORED_READ_ROUNDS):
+            if not missing:
+                break
+            # Chunks evicted before they could be read back (a cache smaller than the reads and
+            # their read-ahead) are fetched into memory the next time.
+            full = await self._obtain(missing, extra, into_memory=round_no > 0)
+            extra = None
+            stored: list[int] = []
+            for i, key in enumerate(keys):
+                if i in found or key not in full:
+                    continue
+                data = full[key]
+                if data is None:
+                    stored.append(i)
+                else:
+                    lo, hi = spans[i]
+                    found[i] = data[lo:hi]
+            # Fetched into the cache: read the spans back (just written, so from the page cache).
+            again = self._cache_get_resident([wanted[i] for i in stored])
+            if len(again) < len(stored):
+                rest = [j for j in range(len(stored)) if j not in again]
+                more = await self._cache_get_many([wanted[stored[j]] for j in rest])
+                again.update((rest[j], data) for j, data in more.items())
+            found.update((stored[j], data) for j, data in again.items())
+            # A chunk evicted before we read it back (a cache far smaller than the reads) is fetched again.
+            missing = {keys[i]: chunks[i] for i in stored if i not in found}
+        if missing:
+            raise FetchError(f"chunks {', '.join(sorted(missing))[:200]}: evicted from the cache as fast as "
+                             "they were fetched (cache.max_bytes too small for the reads?)")
+        return [found[i] for i in range(len(chunks))]
 
-    async def _obtain(self, wanted: dict[str, Chunk], extra: dict[str, Chunk] | None = None) -> dict[str, bytes]:
-        """Bytes of every wanted chunk: lead fetches nobody runs, wait for the others.
+    async def _obtain(self, wanted: dict[str, Chunk], extra: dict[str, Chunk] | None = None, *,
+                      into_memory: bool = False) -> dict[str, bytes | None]:
+        """Every wanted chunk: its bytes, or None when they are in the cache. Leads fetches
+        nobody runs (into memory, not the cache, with `into_memory`), waits for the others.
         `extra` chunks (nobody fetches them yet) go into the cache with the first round's
-        requests; their bytes are not returned."""
-        got: dict[str, bytes] = {}
+        requests; they are not returned."""
+        got: dict[str, bytes | None] = {}
         while wanted:
-            job = _Job()
+            job = _Job(in_memory=into_memory)
             waits: dict[str, _Flight] = {}
             late: list[str] = []
             for key, chunk in wanted.items():
@@ -369,6 +445,7 @@ class LayerReader:
                     flight = self._flights[key] = _Flight()
                     job.chunks[key] = chunk
                     job.flights[key] = flight
+                    job.waited.add(key)
                 waits[key] = flight
             if extra and job.chunks:
                 for key, chunk in extra.items():
@@ -391,7 +468,7 @@ class LayerReader:
                 elif flight.error is not None:
                     raise flight.error
                 else:
-                    assert flight.data is not None
+                    assert flight.data is not None or flight.stored
                     got[key] = flight.data
             wanted = retry
         return got
@@ -447,11 +524,17 @@ class LayerReader:
         try:
             # Re-check the cache: a fetch of these chunks may have completed (and left the
             # in-flight table) while our caller was looking them up.
-            keys = list(job.chunks)
-            hits = await self._cache_get_many([(k, 0, None) for k in keys])
-            for i, data in hits.items():
-                job.flights[keys[i]].finish(data=data)
-                del job.chunks[keys[i]]
+            cache = self.cache
+            present: set[str] = set()
+            if cache is not None:
+                try:
+                    present = await trio.to_thread.run_sync(cache.present, list(job.chunks),
+                                                            limiter=self._cache_limiter)
+                except CacheError as exc:
+                    log.warning("%s", exc)
+                for key in present:
+                    job.flights[key].finish(stored=True)
+                    del job.chunks[key]
             async with trio.open_nursery() as nursery:
                 for run in self._runs(job.chunks, job.max_gap, job.max_run_bytes):
                     nursery.start_soon(self._lead_run, job, run, background)
@@ -491,7 +574,7 @@ class LayerReader:
         blob = run[0][1].blob_index
         start = min(c.blob_offset for _, c in run)
         end = max(c.blob_offset + c.blob_size for _, c in run)
-        cost = (end - start) + sum(c.inner_offset + c.size for _, c in run)
+        cost = self._run_cost(run, end - start, in_memory=job.in_memory)
         timeout = self.config.fetch_timeout
         try:
             limit = self.config.max_chunk_bytes
@@ -525,29 +608,76 @@ class LayerReader:
             for key, _ in run:
                 job.flights[key].finish(error=exc)
 
+    def _run_cost(self, run: list[tuple[str, Chunk]], length: int, *, in_memory: bool) -> int:
+        """The memory a run's fetch holds at most (what it takes from the byte budget): a
+        streamed answer holds one batch of compressed bytes and one piece of output at a time,
+        a source that cannot stream holds the whole answer; chunks kept in memory (no cache) and
+        LZ4 blocks (which decode whole) hold all of their bytes."""
+        cost = min(length, _STREAM_BATCH) + DEFAULT_PIECE
+        if not isinstance(self.source, StreamingRangeSource):
+            cost += length
+        for _, c in run:
+            if in_memory or self.cache is None:
+                cost += c.size
+            if c.compression is Compression.LZ4_BLOCK:
+                cost += c.blob_size + c.inner_offset + c.size
+        return cost
+
+    def _targets(self, in_memory: bool) -> TargetFactory:
+        """Where the fetched chunks of a run go: the cache (files kept open when a read is
+        about to read them back), or memory."""
+        cache = self.cache
+        if cache is None or in_memory:
+            return lambda chunk, key: MemoryTarget()
+        keep_open = _CAUSE.get() == "on_demand"
+        return lambda chunk, key: CacheTarget(cache, key, keep_open=keep_open)
+
     async def _fetch_run(
         self, job: _Job, run: list[tuple[str, Chunk]], blob: int, start: int, end: int, background: bool
     ) -> None:
-        data = await self._fetch(blob, start, end - start)
+        bad: dict[int, Exception] = {}  # by position in the run (a retried answer reports again)
+
+        def ended(i: int, outcome: ChunkOutcome) -> None:  # on the event loop
+            if outcome.error is not None:
+                bad[i] = outcome.error  # fetched again below, once the run is done
+                return
+            key = run[i][0]
+            flight = job.flights[key]
+            flight.finish(data=outcome.data, stored=outcome.stored)
+            if outcome.stored:
+                self._forget_flight(key, flight)  # in the cache: later readers find it there
+            if outcome.data is not None and self.cache is not None and not job.in_memory:
+                self.stats.cache_put_failures += 1  # verified, but the cache had no room
+
+        # The decoder runs in worker threads and reports each chunk as it ends: its waiters go on
+        # while the rest of the run is still being decoded.
+        decoder = RunDecoder(run, start, self._targets(job.in_memory), urgent=job.waited,
+                             on_ended=lambda i, outcome: trio.from_thread.run_sync(ended, i, outcome))
+        try:
+            sink = _DecoderSink(decoder)
+            await self._stream(blob, start, end - start, sink)
+            await sink.close()
+        except BaseException:
+            decoder.abort()
+            raise
         job.requests += 1
         job.fetched_bytes += end - start
         self.stats.chunks_fetched += len(run)
         if background:
             self.stats.readahead_chunks += len(run)
-        view = memoryview(data)  # the run's chunks decode from views of the one buffer: no copies
-        pieces = [(key, c, view[c.blob_offset - start:c.blob_offset - start + c.blob_size]) for key, c in run]
-        del data, view
-        decoded = await trio.to_thread.run_sync(self._decode_all, pieces)
-        pieces.clear()  # the last views go: the compressed buffer is freed before the cache write
-        for (key, c), result in zip(run, decoded, strict=True):
-            if not isinstance(result, FormatError):
-                job.flights[key].finish(data=result)
-                continue
-            # Corrupt in transit or at rest: one more try with a fresh request for this chunk.
-            self.stats.refetches += 1
-            log.warning("event=chunk_corrupt source=%s blob=%s range=%d+%d chunk=%s error=%r; fetching it again",
-                        describe_source(self.source, blob), self.blobs[blob] if blob < len(self.blobs) else blob,
-                        c.blob_offset, c.blob_size, key, str(result))
+        refetched: list[tuple[str, bytes | None]] = []
+        for i, err in bad.items():
+            key, c = run[i]
+            if isinstance(err, CacheError):
+                # The bytes were good but could not be stored: fetch them into memory instead.
+                self.stats.cache_put_failures += 1
+                log.warning("%s; fetching chunk %s again into memory", err, key)
+            else:
+                # Corrupt in transit or at rest: one more try with a fresh request for this chunk.
+                self.stats.refetches += 1
+                log.warning("event=chunk_corrupt source=%s blob=%s range=%d+%d chunk=%s error=%r; fetching it again",
+                            describe_source(self.source, blob), self._blob_name(blob),
+                            c.blob_offset, c.blob_size, key, str(err))
             try:
                 again = await self._fetch(blob, c.blob_offset, c.blob_size)
                 plain = await trio.to_thread.run_sync(self._decode, key, c, again)
@@ -555,17 +685,39 @@ class LayerReader:
                 job.flights[key].finish(error=exc)  # only this chunk fails; the run's others stand
             else:
                 job.flights[key].finish(data=plain)
-        items = [(key, job.flights[key].data) for key, _ in run if job.flights[key].data is not None]
-        nbytes = sum(len(d or b"") for _, d in items)
+                if not isinstance(err, CacheError):
+                    refetched.append((key, plain))
+        if not refetched or self.cache is None:
+            return
+        nbytes = sum(len(d or b"") for _, d in refetched)
         if not background and self._nursery is not None and self._budget.acquire_nowait(nbytes):
             # Let the foreground read return now; the cache write finishes in the background.
-            flights = {key: job.flights[key] for key, _ in items}
+            flights = {key: job.flights[key] for key, _ in refetched}
             for flight in flights.values():
                 flight.storing = True
-            self._nursery.start_soon(self._store_later, items, flights, min(nbytes, self._budget.capacity))
+            self._nursery.start_soon(self._store_later, refetched, flights, min(nbytes, self._budget.capacity))
         else:
-            stored = await self._cache_put_many(items)
-            self.stats.cache_put_failures += len(items) - stored
+            stored = await self._cache_put_many(refetched)
+            self.stats.cache_put_failures += len(refetched) - stored
+
+    async def _stream(self, blob: int, offset: int, length: int, sink: _DecoderSink) -> None:
+        """Blob bytes [offset, offset+length) into `sink`, streamed when the source can."""
+        source = self.source
+        if not isinstance(source, StreamingRangeSource):
+            await sink.write(await self._fetch(blob, offset, length))
+            return
+        self.stats.requests += 1
+        try:
+            await source.stream_range(blob, offset, length, sink)
+        except SnapshotterError:
+            raise
+        except (OSError, ValueError) as exc:
+            raise FetchError(f"blob {self._blob_name(blob)} range {offset}+{length}: {exc}") from exc
+        if sink.received != length:
+            raise FetchError(
+                f"blob {self._blob_name(blob)} range {offset}+{length}: source answered {sink.received} bytes"
+            )
+        self._count_fetched(length)
 
     async def _store_later(
         self, items: list[tuple[str, bytes | None]], flights: dict[str, _Flight], held: int
@@ -592,20 +744,13 @@ class LayerReader:
             raise FetchError(
                 f"blob {self._blob_name(blob)} range {offset}+{length}: source answered {len(data)} bytes"
             )
+        self._count_fetched(length)
+        return data
+
+    def _count_fetched(self, length: int) -> None:
         self.stats.fetched_bytes += length
         cause = _CAUSE.get()
         self.stats.fetched_bytes_by_cause[cause] = self.stats.fetched_bytes_by_cause.get(cause, 0) + length
-        return data
-
-    @classmethod
-    def _decode_all(cls, pieces: list[tuple[str, Chunk, memoryview]]) -> list[bytes | FormatError]:
-        out: list[bytes | FormatError] = []
-        for key, chunk, data in pieces:
-            try:
-                out.append(cls._decode(key, chunk, data))
-            except FormatError as exc:
-                out.append(exc)
-        return out
 
     @staticmethod
     def _decode(key: str, chunk: Chunk, data: Buffer) -> bytes:

@@ -2,6 +2,9 @@
 
 `RangeSource.read_range(blob, offset, length)` returns exactly blob[offset:offset+length] of
 the layer's blob number `blob` (an index into `LayerIndex.blobs`), or raises FetchError.
+`StreamingRangeSource.stream_range(blob, offset, length, sink)` hands the same bytes to a
+`RangeSink` in pieces as they arrive, so that the caller need not hold them all; both
+implementations here are streaming sources.
 """
 
 from __future__ import annotations
@@ -20,6 +23,28 @@ class RangeSource(Protocol):
     async def read_range(self, blob: int, offset: int, length: int) -> bytes | bytearray:
         """Exactly `length` bytes of blob number `blob` from `offset` (FetchError otherwise)."""
         ...
+
+
+class RangeSink(Protocol):
+    """Receives a range's bytes in order, in pieces of any size."""
+
+    async def restart(self) -> None:
+        """The bytes start over from the range's first byte (a retried request): forget what
+        `write` was given so far."""
+        ...
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None: ...
+
+
+@runtime_checkable
+class StreamingRangeSource(RangeSource, Protocol):
+    async def stream_range(self, blob: int, offset: int, length: int, sink: RangeSink) -> None:
+        """Give exactly `length` bytes of blob number `blob` from `offset` to `sink.write`, in
+        order (after a `sink.restart()`, from the first byte again), or raise FetchError."""
+        ...
+
+
+STREAM_PIECE = 256 << 10  # the pieces a file source reads
 
 
 @runtime_checkable
@@ -58,6 +83,13 @@ class FileRangeSource:
     async def read_ranges(self, blob: int, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
         return [await self.read_range(blob, off, n) for off, n in ranges]
 
+    async def stream_range(self, blob: int, offset: int, length: int, sink: RangeSink) -> None:
+        pos = offset
+        while pos < offset + length:
+            n = min(STREAM_PIECE, offset + length - pos)
+            await sink.write(await trio.to_thread.run_sync(self._pread, blob, pos, n))
+            pos += n
+
 
 class RegistryRangeSource:
     """Adapts the registry client (`read_range(repo, digest, offset, length)`, optionally
@@ -76,6 +108,13 @@ class RegistryRangeSource:
 
     async def read_range(self, blob: int, offset: int, length: int) -> bytes | bytearray:
         return await self.client.read_range(self.repo, self._digest(blob), offset, length)
+
+    async def stream_range(self, blob: int, offset: int, length: int, sink: RangeSink) -> None:
+        streamed = getattr(self.client, "stream_range", None)
+        if streamed is None:  # a client that only reads whole ranges
+            await sink.write(await self.read_range(blob, offset, length))
+            return
+        await streamed(self.repo, self._digest(blob), offset, length, sink)
 
     async def read_ranges(self, blob: int, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
         digest = self._digest(blob)

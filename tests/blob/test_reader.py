@@ -19,6 +19,7 @@ from snapshotter.errors import DigestMismatch, FetchError, FormatError
 from snapshotter.formats.index import Chunk, Entry
 from snapshotter.reader import BlobOrder, FileRangeSource, LayerReader, ReaderConfig, chunk_key, open_layer_reader
 from snapshotter.reader.layer import AMPLIFY_FREE_MISSES
+from snapshotter.reader.source import RangeSink
 from tests.blob.blobs import BuiltBlob, build_blob, file_bytes
 
 CHUNK = 64 << 10
@@ -70,6 +71,15 @@ class CountingSource(FileRangeSource):
             mid = length // 2
             data = data[:mid] + bytes([data[mid] ^ 0xFF]) + data[mid + 1:]
         return data
+
+    async def stream_range(self, blob: int, offset: int, length: int, sink: RangeSink) -> None:
+        """The same answer (with the faults above) to a streaming reader, in uneven pieces."""
+        view = memoryview(await self.read_range(blob, offset, length))
+        pos = 0
+        while pos < length:
+            n = 1 + (pos * 7919 + 100_003) % (3 * CHUNK // 2)
+            await sink.write(view[pos:pos + n])
+            pos += n
 
     def fetches_per_chunk(self, chunks: Sequence[Chunk]) -> Counter[int]:
         """How many requested ranges covered each chunk (by blob offset)."""
