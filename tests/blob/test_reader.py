@@ -726,3 +726,33 @@ def test_reads_of_page_cached_chunks_are_served_inline(blob: BuiltBlob, tmp_path
 
     trio.run(main)
     assert len(gets) == thread_reads
+
+
+def test_streamed_fetches_hold_neither_the_answer_nor_a_whole_chunk(tmp_path: Path) -> None:
+    """Reading a file of 4 MiB chunks cold (read-ahead on): the reader's Python allocations
+    peak at a small part of one chunk, not at the compressed + uncompressed chunks in flight."""
+    import os
+    import tracemalloc
+
+    chunk_size = 4 << 20
+    content = os.urandom(3 * chunk_size)
+    b = build_blob(tmp_path / "big.blob", {"big": content}, chunk_size=chunk_size)
+    entry = b.entries["big"]
+    cache = ChunkCache(tmp_path / "cache", 1 << 30)
+    digest = hashlib.sha256()
+
+    async def main() -> None:
+        with trio.fail_after(60):
+            async with open_layer_reader(FileRangeSource([b.path]), blobs=[LAYER], cache=cache,
+                                         config=ReaderConfig(max_merge_bytes=8 << 20)) as reader:
+                for off in range(0, entry.size, 1 << 20):
+                    digest.update(await reader.read(entry, off, 1 << 20))
+
+    tracemalloc.start()
+    try:
+        trio.run(main)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert digest.digest() == hashlib.sha256(content).digest()
+    assert peak < chunk_size, f"peak {peak} bytes"

@@ -238,3 +238,42 @@ def test_fork_child_uses_its_own_connection(tmp_path: Path) -> None:
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert cache.usage().chunks == 2
+
+
+def test_writer_commits_pieces_and_leaves_nothing_before_or_after_failure(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, 1 << 20)
+    key, data = chunk(40, 100_000)
+    with cache.writer(key) as w:
+        for i in range(0, len(data), 30_000):
+            w.write(memoryview(data)[i:i + 30_000])
+        assert not cache.contains(key) and cache.get(key) is None  # nothing served before the commit
+        assert len(temp_files(tmp_path)) == 1
+        assert w.commit()
+    assert cache.get(key) == data and temp_files(tmp_path) == []
+    assert cache.usage().bytes == len(data)
+
+    other, odata = chunk(41, 5000)
+    with cache.writer(other) as w:
+        w.write(odata[:100])  # abandoned: not committed
+    assert not cache.contains(other) and temp_files(tmp_path) == []
+
+
+def test_commit_all_is_one_transaction_and_no_room_gives_the_bytes_back(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, 10_000)
+    small = [chunk(50 + i, 3000) for i in range(3)]
+    big_key, big = chunk(60, 20_000)  # over the cap
+    writers = [cache.writer(k) for k, _ in small] + [cache.writer(big_key)]
+    for w, (_, d) in zip(writers, [*small, (big_key, big)], strict=True):
+        w.write(d)
+    assert cache.commit_all(writers, keep_open=True) == [True, True, True, False]
+    for k, d in small:
+        assert cache.get_resident(k, 0, 10) == d[:10]  # kept open: served without the index
+    assert writers[-1].read_back() == big
+    writers[-1].abort()
+    assert temp_files(tmp_path) == [] and cache.usage().chunks == 3
+
+    k0, d0 = small[0]
+    again = cache.writer(k0)
+    again.write(d0)
+    assert again.commit()  # another writer stored it first: still cached, nothing left over
+    assert temp_files(tmp_path) == [] and cache.usage().chunks == 3

@@ -44,7 +44,8 @@ class Fault:
     action: "status" (answer `status` without forwarding), "reset" (forward, send headers and
     half the body, then RST), "short" (forward, drop `cut` bytes from the end and shrink
     Content-Length to match), "bad_content_range" (forward, shift Content-Range by `shift`),
-    "delay" (sleep `seconds`, then forward normally).
+    "delay" (sleep `seconds`, then forward normally), "ignore_range" (forward without the Range
+    header: a 200 with the whole blob, as from storage that ignores ranges).
     """
 
     action: str
@@ -214,6 +215,8 @@ class RegistryProxy(_BaseServer):
             rec.status = 307
             return send_simple(h, 307, b"", {
                 "Location": f"{self.redirect_blobs_to}/storage/{m.group(2)}?sig={secrets.token_hex(4)}"})
+        if fault is not None and fault.action == "ignore_range":
+            del h.headers["Range"]
         status, headers, rbody = self._forward(h, body)
         rec.status = status
         if fault is not None and fault.action == "bad_content_range" and "content-range" in headers:

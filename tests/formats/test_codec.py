@@ -1,15 +1,21 @@
-"""codec.decompress_prefix: exactly the first `want` bytes of a (multi-member) stream."""
+"""codec: decompress_prefix (exactly the first `want` bytes of a multi-member stream), the
+streaming ChunkDecoder, and digest.DigestCheck."""
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from snapshotter.errors import FormatError
-from snapshotter.formats.codec import decompress_prefix
-from snapshotter.formats.index import Compression
+from snapshotter.errors import DigestMismatch, FormatError
+from snapshotter.formats.codec import ChunkDecoder, StreamDecoder, decompress_chunk, decompress_prefix
+from snapshotter.formats.digest import DigestCheck
+from snapshotter.formats.index import Chunk, Compression
+from snapshotter.formats.lz4block import compress_block
 
 _PARTS = [random.Random(1).randbytes(1000), b"x" * 5000, random.Random(2).randbytes(300)]
 _PLAIN = b"".join(_PARTS)
@@ -27,3 +33,86 @@ def test_gzip_prefix_of_a_cut_stream_is_what_it_holds_and_corruption_is_an_error
     assert _PLAIN.startswith(got) and len(got) < len(_PLAIN)
     with pytest.raises(FormatError):
         decompress_prefix(Compression.GZIP, gzip.compress(_PARTS[0])[:-20] + b"garbage" * 5, 5000)
+
+
+# -- ChunkDecoder: the same bytes from pieces ------------------------------------------------
+
+def _zstd_frames(parts: list[bytes]) -> bytes:
+    import zstandard
+
+    return b"".join(zstandard.ZstdCompressor().compress(p) for p in parts)
+
+
+def _streamed(chunk: Chunk, data: bytes, cuts: list[int], max_piece: int) -> list[bytes]:
+    out: list[bytes] = []
+    decoder = ChunkDecoder(chunk, out.append, max_piece=max_piece)
+    pos = 0
+    for cut in sorted(set(cuts)) + [len(data)]:
+        decoder.feed(memoryview(data)[pos:cut])
+        pos = max(pos, cut)
+    decoder.finish()
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    compression=st.sampled_from([Compression.GZIP, Compression.ZSTD, Compression.NONE, Compression.LZ4_BLOCK]),
+    inner=st.integers(0, 6000),
+    size=st.integers(1, 7000),
+    cuts=st.lists(st.integers(0, 9000), max_size=12),
+    max_piece=st.sampled_from([1, 1000, 4096, 1 << 20]),
+)
+def test_chunk_decoder_from_any_pieces_gives_the_chunk(compression: Compression, inner: int, size: int,
+                                                       cuts: list[int], max_piece: int) -> None:
+    """Any split of the compressed bytes gives exactly decompress_chunk's bytes, in pieces of at
+    most max_piece; gzip and zstd streams of several members / frames included."""
+    size = min(size, len(_PLAIN) - inner)
+    if size <= 0:
+        return
+    if compression is Compression.GZIP:
+        data = _STREAM
+    elif compression is Compression.ZSTD:
+        data = _zstd_frames(_PARTS)
+    elif compression is Compression.LZ4_BLOCK:
+        data = compress_block(_PLAIN)
+    else:
+        data = _PLAIN
+    chunk = Chunk(0, size, 0, len(data), compression, None, inner_offset=inner)
+    pieces = _streamed(chunk, data, [c % (len(data) + 1) for c in cuts], max_piece)
+    assert b"".join(pieces) == _PLAIN[inner:inner + size] == decompress_chunk(chunk, data)
+    assert all(0 < len(p) <= max_piece for p in pieces)
+
+
+def test_chunk_decoder_zeros_short_and_corrupt() -> None:
+    zeros = Chunk(0, 5000, 0, 10, Compression.ZSTD, None, zeros=True)
+    assert b"".join(_streamed(zeros, b"not looked at", [3], 2048)) == bytes(5000)
+    gz = Chunk(0, len(_PLAIN), 0, len(_STREAM), Compression.GZIP, None)
+    with pytest.raises(FormatError, match="decompressed to"):
+        _streamed(gz, _STREAM[:-400], [100, 2000], 1 << 20)  # the stream ends short
+    with pytest.raises(FormatError, match="corrupt"):
+        _streamed(gz, _STREAM[:50] + b"\xff" * 60 + _STREAM[110:], [70], 1 << 20)
+
+
+def test_stream_decoder_stops_reading_at_want() -> None:
+    """Bytes after the wanted prefix are not decoded: trailing garbage (the next tar header's
+    member, padding) does not matter once the chunk's bytes are out."""
+    out: list[bytes] = []
+    d = StreamDecoder(Compression.GZIP, 1000, out.append)
+    d.feed(_STREAM)
+    d.feed(b"garbage that is not gzip")
+    d.close()
+    assert b"".join(out) == _PLAIN[:1000] and d.complete
+
+
+def test_digest_check_of_pieces() -> None:
+    data = _PLAIN
+    good = DigestCheck("sha256:" + hashlib.sha256(data).hexdigest().upper(), "chunk x")
+    for i in range(0, len(data), 777):
+        good.update(memoryview(data)[i:i + 777])
+    good.verify()
+    bad = DigestCheck("sha256:" + hashlib.sha256(data).hexdigest(), "chunk y")
+    bad.update(data[:-1])
+    with pytest.raises(DigestMismatch, match="chunk y"):
+        bad.verify()
+    with pytest.raises(FormatError, match="unsupported digest"):
+        DigestCheck("md5:00", "chunk z")
