@@ -196,7 +196,6 @@ class _Reader:
         self.meta_base = info.sb.meta_blkaddr * self.bs
         if self.meta_base >= len(data):
             raise FormatError(f"nydus bootstrap: metadata block {info.sb.meta_blkaddr} is past the end")
-        self.inodes: dict[int, L.Inode] = {}
         # Honest bootstraps spend >= 12 bytes per dirent and 8 per chunk index: cap work by that.
         self.dirent_budget = len(data) // L.DIRENT_SIZE + 2
         self.chunk_budget = len(data) // L.CHUNK_INDEX_SIZE + 1
@@ -216,9 +215,8 @@ class _Reader:
         return self.meta_base + nid * L.INODE_SLOT
 
     def inode(self, nid: int) -> L.Inode:
-        cached = self.inodes.get(nid)
-        if cached is not None:
-            return cached
+        """Inode `nid`, parsed each time it is asked for (only a hard link's is asked twice:
+        keeping every parsed inode made them the bulk of a parse's peak memory)."""
         off = self.inode_offset(nid)
         if nid < 0 or off + L.COMPACT_INODE_SIZE > len(self.data):
             raise FormatError(f"nydus bootstrap: nid {nid} is outside the bootstrap")
@@ -230,7 +228,6 @@ class _Reader:
         if ino.layout not in (L.LAYOUT_FLAT_PLAIN, L.LAYOUT_FLAT_INLINE, L.LAYOUT_CHUNK_BASED):
             raise FormatError(f"nydus bootstrap: nid {nid} has unsupported data layout {ino.layout}")
         _slice(self.data, off, ino.inode_size + ino.xattr_size, f"xattrs of inode {nid}")
-        self.inodes[nid] = ino
         return ino
 
     def _spend(self, n: int, what: str) -> None:
