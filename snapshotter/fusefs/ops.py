@@ -135,9 +135,10 @@ class FsStatistics:
 
 
 class ReadRecorder:
-    """Files in the order of their first read."""
+    """Files of `tree` in the order of their first read."""
 
-    def __init__(self) -> None:
+    def __init__(self, tree: MountTree) -> None:
+        self._tree = tree
         self._seen: set[int] = set()
         self._nodes: list[Node] = []
 
@@ -149,12 +150,12 @@ class ReadRecorder:
     @property
     def paths(self) -> list[str]:
         """Mount-relative paths ("0/usr/bin/env" with subtrees), first read first."""
-        return [n.path for n in self._nodes]
+        return [self._tree.path_of(n) for n in self._nodes]
 
     def records(self) -> list[dict[str, Any]]:
         """One dict per file: path, layer (position in MountTree.layers), name (the entry's name in that layer)."""
         return [
-            {"path": n.path, "layer": n.layer, "name": n.entry.name if n.entry is not None else None}
+            {"path": self._tree.path_of(n), "layer": n.layer, "name": n.entry.name if n.entry is not None else None}
             for n in self._nodes
         ]
 
@@ -212,7 +213,7 @@ class LazyOperations(pyfuse3.Operations):
         self.tree = tree
         self.readers = tuple(readers)
         self.config = config or FsConfig()
-        self.recorder = recorder if recorder is not None else ReadRecorder()
+        self.recorder = recorder if recorder is not None else ReadRecorder(tree)
         self.stats = FsStatistics()
         self.lookup_counts: dict[int, int] = {}
         # inode -> (when, offset, end) of its last failed read; see `read`.
@@ -353,18 +354,19 @@ class LazyOperations(pyfuse3.Operations):
                 self.stats.read_errors += 1
                 if time.monotonic() - started >= self.config.fetch_timeout / 2:
                     self._failed[fh] = (time.monotonic(), off, off + want)
-                log.warning("read of %r [%d, +%d) failed: %s: %s", node.path, off, want, type(exc).__name__, exc)
+                log.warning("read of %r [%d, +%d) failed: %s: %s", self.tree.path_of(node), off, want,
+                            type(exc).__name__, exc)
                 raise pyfuse3.FUSEError(errno.EIO) from None
         if data is None:
             self.stats.read_timeouts += 1
             self._failed[fh] = (time.monotonic(), off, off + want)
             log.warning("read of %r [%d, +%d) took over %.1fs; answering EIO",
-                        node.path, off, want, self.config.fetch_timeout)
+                        self.tree.path_of(node), off, want, self.config.fetch_timeout)
             raise pyfuse3.FUSEError(errno.EIO)
         self._failed.pop(fh, None)
         if len(data) != want:
             self.stats.read_errors += 1
-            log.error("reader returned %d bytes for %r [%d, +%d)", len(data), node.path, off, want)
+            log.error("reader returned %d bytes for %r [%d, +%d)", len(data), self.tree.path_of(node), off, want)
             raise pyfuse3.FUSEError(errno.EIO)
         self.stats.read_bytes += want
         self.stats.note_demand(node.layer, node.entry, off, want)

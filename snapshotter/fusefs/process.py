@@ -188,8 +188,9 @@ def load_tree(state: MountState) -> MountTree:
         indexes = []
         for spec in run:
             try:
-                data = Path(spec.index_path).read_bytes()
-                indexes.append(load_index(data))
+                # No name for the file's bytes: they go as soon as the index is made, not after
+                # the tree (of which they would be a sixth).
+                indexes.append(load_index(Path(spec.index_path).read_bytes()))
             except FormatError as exc:
                 raise FormatError(f"layer index {spec.index_path} ({spec.digest or 'no digest'}): {exc}") from None
         runs.append(indexes)
@@ -393,7 +394,7 @@ async def serve(state: MountState, tree: MountTree, reader_kinds: Mapping[str, R
     for spec in layer_specs:
         if spec.reader["kind"] not in reader_kinds:
             raise ConfigError(f"layer {spec.digest or spec.index_path}: unknown reader kind {spec.reader['kind']!r}")
-    recorder = ReadRecorder()
+    recorder = ReadRecorder(tree)
     async with AsyncExitStack() as stack:
         nursery = await stack.enter_async_context(trio.open_nursery())
         stack.callback(nursery.cancel_scope.cancel)  # runs before the nursery waits for its tasks

@@ -94,9 +94,11 @@ class Node:
       subtree directories and the mount root when no layer lists it).
     entry: the layer Entry behind the node (for a regular file: the one whose chunks hold its
       bytes, the link target's entry for hard links); None for implied dirs.
-    path: the node's first name relative to the mount root ("" for the root; "0/etc/passwd" for
-      subtrees); what first-read recording reports.
-    parent: inode of the directory holding `path` (the root is its own parent).
+    name: the node's first name in its directory ("" for the root); `MountTree.path_of` gives
+      the whole path ("0/etc/passwd" for subtrees), what first-read recording reports. (Kept as
+      the name alone: the string is the directory's key already, where a path per node would
+      be a string of its own.)
+    parent: inode of the directory holding `name` (the root is its own parent).
     children: name -> inode, for directories; `names` lists them sorted (readdir order).
     whiteout: an overlay whiteout marker (char 0:0) synthesized for a subtree.
     opaque: a directory carrying the overlay opaque xattr.
@@ -110,7 +112,7 @@ class Node:
     mtime_ns: int
     size: int
     nlink: int
-    path: str
+    name: str
     parent: int
     layer: int | None = None
     entry: Entry | None = None
@@ -173,6 +175,14 @@ class MountTree:
             return None
         inode = node.children.get(name)
         return None if inode is None else self.nodes[inode]
+
+    def path_of(self, node: Node) -> str:
+        """The node's first path relative to the mount root ("" for the root)."""
+        parts: list[str] = []
+        while node.inode != ROOT_INODE:
+            parts.append(node.name)
+            node = self.nodes[node.parent]
+        return "/".join(reversed(parts))
 
     def resolve(self, path: str) -> Node | None:
         """The node at `path` (relative to the mount root, no symlinks followed), or None."""
@@ -358,30 +368,29 @@ def _freeze(roots: list[_B], subtrees: bool, opaque_xattrs: Sequence[str],
         top.children = {str(i): r for i, r in enumerate(roots)}
     else:
         top = roots[0]
-    order: list[tuple[_B, str, int, bool]] = []  # (node, first path, parent inode, marked) in inode order
+    order: list[tuple[_B, str, int, bool]] = []  # (node, first name, parent inode, marked) in inode order
     next_inode = ROOT_INODE
     stack: list[tuple[_B, str, int, bool]] = [(top, "", ROOT_INODE, subtrees)]
     while stack:
-        b, path, parent, marked = stack.pop()
+        b, name, parent, marked = stack.pop()
         b.names_seen += 1
         if b.inode:
             continue
         me = b.inode = next_inode
         next_inode += 1
-        order.append((b, path, parent, marked))
+        order.append((b, name, parent, marked))
         if b.type is EntryType.DIR and not b.whiteout:  # b.is_real_dir, without the call
             names = b.sorted_names = tuple(sorted(b.children, key=os.fsencode))
             kids = b.children
-            prefix = f"{path}/" if path else ""
-            for name in reversed(names):
-                child_marked = marked and not (b is top and subtrees and int(name) in bare_runs)
-                stack.append((kids[name], prefix + name, me, child_marked))
+            for child in reversed(names):
+                child_marked = marked and not (b is top and subtrees and int(child) in bare_runs)
+                stack.append((kids[child], child, me, child_marked))
 
     nodes: dict[int, Node] = {}
     file_bytes = 0
     has_xattrs = False
     opaque_values = {x: OPAQUE_VALUE for x in opaque_xattrs}
-    for b, path, parent, marked in order:
+    for b, name, parent, marked in order:
         inode = b.inode
         if b.type is EntryType.DIR and not b.whiteout:
             names = b.sorted_names
@@ -392,7 +401,7 @@ def _freeze(roots: list[_B], subtrees: bool, opaque_xattrs: Sequence[str],
                 children[n] = c.inode
                 if c.type is EntryType.DIR and not c.whiteout:
                     nlink += 1
-            opaque = marked and b.hides_below and bool(opaque_xattrs) and path != ""
+            opaque = marked and b.hides_below and bool(opaque_xattrs) and inode != ROOT_INODE
             xattrs = b.xattrs
             if opaque:
                 xattrs = MappingProxyType({**b.xattrs, **opaque_values})
@@ -405,7 +414,7 @@ def _freeze(roots: list[_B], subtrees: bool, opaque_xattrs: Sequence[str],
             has_xattrs = True
         nodes[inode] = Node(
             inode=inode, type=b.type, mode=b.mode, uid=b.uid, gid=b.gid, mtime_ns=b.mtime_ns,
-            size=b.size, nlink=nlink, path=path, parent=parent, layer=b.layer, entry=b.entry,
+            size=b.size, nlink=nlink, name=name, parent=parent, layer=b.layer, entry=b.entry,
             link_target=b.link_target, dev_major=b.dev_major, dev_minor=b.dev_minor, xattrs=xattrs,
             children=MappingProxyType(children) if children else _EMPTY_CHILDREN, names=names,
             whiteout=b.whiteout, opaque=opaque,

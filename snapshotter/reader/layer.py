@@ -119,7 +119,8 @@ def chunk_key(chunk: Chunk, blobs: Sequence[str]) -> str:
     FormatError for digests the cache cannot address (algorithms other than sha256/blake3).
     """
     if chunk.digest is not None:
-        key = chunk.digest.lower()
+        d = chunk.digest
+        key = d if d.islower() else d.lower()  # most are lowercase already: no copy of each
         if not is_digest_key(key):
             raise FormatError(f"chunk at blob offset {chunk.blob_offset}: unsupported digest {chunk.digest!r}")
         return key
