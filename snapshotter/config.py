@@ -39,7 +39,8 @@ class RegistryConfig:
 class CacheConfig:
     max_bytes: int = field(default=50 << 30, metadata={"doc": "hard cap of the on-disk chunk cache in bytes"})
     max_inflight_bytes: int = field(default=32 << 20, metadata={
-        "doc": "cap on chunk bytes being fetched at once, per mount (memory of the mount process)"})
+        "doc": "cap on chunk bytes being fetched at once, per mount: range bytes requested, and the memory "
+               "the fetches hold (a streamed fetch about 1.25 MiB, a chunk kept in memory all of it)"})
 
 
 @dataclass(frozen=True)
