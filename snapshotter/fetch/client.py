@@ -93,6 +93,28 @@ class BodySink(Protocol):
     async def write(self, data: bytes | bytearray | memoryview) -> None: ...
 
 
+class _BufferSink:
+    """A BodySink collecting a range of known length into one buffer allocated up front (a
+    4 MiB chunk costs 4 MiB, not a growing buffer plus its copy)."""
+
+    def __init__(self, length: int) -> None:
+        self._buf = bytearray(length)
+        self._view = memoryview(self._buf)
+        self._pos = 0
+
+    async def restart(self) -> None:
+        self._pos = 0
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        end = self._pos + len(data)
+        self._view[self._pos:end] = data
+        self._pos = end
+
+    def result(self) -> bytearray:
+        self._view.release()
+        return self._buf
+
+
 class RegistryError(FetchError):
     """A registry request failed. `status` is the last HTTP status seen, if any."""
 
@@ -517,19 +539,9 @@ class RegistryClient:
         return got
 
     async def _read_single(self, r: Reference, digest: str, br: ByteRange) -> bytes | bytearray:
-        ctx = _Ctx(r, "blob", digest, str(br))
-
-        async def on_get(resp: httpx.Response, host: RegistryHost) -> bytes | bytearray:
-            got = self._range_answer(resp, br, ctx)
-            if got is None:
-                return await self._slice_full_body(resp, br, ctx, host)
-            data = await self._read_exact(resp, got.length)
-            start = br.start - got.start
-            if start == 0 and got.length == br.length:
-                return data
-            return bytes(memoryview(data)[start:start + br.length])
-
-        return await self._request(ctx, "GET", PULL, {"Range": range_header([br])}, on_get)
+        sink = _BufferSink(br.length)
+        await self._stream_single(r, digest, br, sink)
+        return sink.result()
 
     async def stream_range(self, repo: Reference | str, digest: str, offset: int, length: int,
                            sink: BodySink) -> None:
@@ -540,8 +552,13 @@ class RegistryClient:
             raise ValueError(f"bad range {offset}+{length}")
         if length == 0:
             return
-        r = _as_ref(repo)
         br = ByteRange(offset, offset + length)
+        async with self._budget.hold(length):
+            await self._stream_single(_as_ref(repo), digest, br, sink)
+
+    async def _stream_single(self, r: Reference, digest: str, br: ByteRange, sink: BodySink) -> None:
+        """One single-range GET of `br` into the sink: a 206 whose Content-Range covers it, or a
+        200 with the whole blob (a server that ignores Range), sliced either way."""
         ctx = _Ctx(r, "blob", digest, str(br))
         started = False
 
@@ -557,8 +574,7 @@ class RegistryClient:
             body = None if got is None else got.length  # a 206 body must be exactly its Content-Range
             await self._stream_body(resp, skip, br.length, body, sink)
 
-        async with self._budget.hold(length):
-            await self._request(ctx, "GET", PULL, {"Range": range_header([br])}, on_get)
+        await self._request(ctx, "GET", PULL, {"Range": range_header([br])}, on_get)
 
     async def _stream_body(self, resp: httpx.Response, skip: int, length: int, body: int | None,
                            sink: BodySink) -> None:
@@ -644,23 +660,6 @@ class RegistryClient:
         if got.start > want[0].start or got.end < want[-1].end:
             raise _AttemptError(f"wrong Content-Range: got {got}, asked {want[0].start}-{want[-1].end - 1}",
                                 retryable=True)
-
-    async def _slice_full_body(self, resp: httpx.Response, br: ByteRange, ctx: _Ctx,
-                               host: RegistryHost) -> bytes:
-        log.info("%s: server ignored Range and sent the whole blob; slicing it", ctx.describe(host))
-        skipped = 0
-        buf = bytearray()
-        async for piece in resp.aiter_raw():
-            self.stats.note_bytes(resp, len(piece))
-            if skipped < br.start:
-                drop = min(br.start - skipped, len(piece))
-                skipped += drop
-                piece = piece[drop:]
-            buf += piece[:br.length - len(buf)]
-            if len(buf) >= br.length:
-                return bytes(buf)
-        raise _AttemptError(f"short body: whole-blob answer ended after {skipped + len(buf)} bytes",
-                            retryable=True)
 
     # ---- the request engine -----------------------------------------------------------------
 
