@@ -15,10 +15,17 @@ hashing run in worker threads):
   needed the chunk first; if it is cancelled, waiters retry (one of them becomes the leader).
 - Adjacent chunks needed together (same blob, contiguous/overlapping compressed ranges, up to
   `max_merge_bytes`) are fetched with one range request.
+- Streaming: with a cache, a fetched range is decoded while it arrives (reader/runstream.py):
+  each chunk goes through its decompressor and digest check into a cache temp file, committed
+  once verified; a read waiting for the chunk reads its span back from the cache as soon as the
+  chunk is in (the rest of the range may still be coming). A chunk evicted before it was read
+  back is fetched again into memory. Without a cache, chunks are decoded into memory.
 - Memory: a chunk larger than `max_chunk_bytes` (compressed, or inner offset + size) is refused
-  with LimitExceeded before anything is fetched. Every fetch holds its compressed + decompressed
-  size from a byte budget (`max_inflight_bytes`) while it runs, and a background cache write
-  holds its bytes; a read never needs more than its chunks, never the blob.
+  with LimitExceeded before anything is fetched. Every fetch holds what it keeps in memory from
+  a byte budget (`max_inflight_bytes`) while it runs: a streamed range one batch of compressed
+  bytes and one piece of output (`_run_cost`), plus the whole of chunks kept in memory and of
+  LZ4 blocks; a background cache write of a refetched chunk holds its bytes. A read never needs
+  more than its chunks, never the blob.
 - `fetch_timeout` bounds each fetch (budget wait, request, decode, the refetch); on expiry the
   read fails with FetchError. Waiters give up after the same bound.
 - Read-ahead: after `readahead_trigger` sequential reads of an entry, up to `readahead_bytes`

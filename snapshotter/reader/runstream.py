@@ -9,8 +9,8 @@ chunk of the run in order, how it ended (`ChunkOutcome`): stored in the cache, b
 or an error. `on_ended(i, outcome)` hears of each as soon as it and the chunks before it ended
 (called from within `feed` / `close`): chunks verified in one `feed` are finished together (one
 cache transaction), but for the `urgent` ones (someone waits for them), which are finished at
-once. A chunk's bytes reach the cache only after its digest matched (the cache writer
-commits after the check; a bad chunk's temp file is removed). `reset()` starts over (a retried
+once. A chunk is committed to the cache only after its digest matched (its bytes go to a
+cache temp file as they are decoded; a bad chunk's temp file is removed). `reset()` starts over (a retried
 request sends the answer again); `abort()` drops everything not committed.
 
 Blocking (decompression, hashing, cache file writes): call it from a worker thread, one call at
