@@ -86,3 +86,62 @@ def test_amplified_misses_through_the_registry(registry: RegistryProcess, tmp_pa
     requests, amplified = trio.run(main)
     assert requests < len(files) // 4, requests
     assert amplified >= len(files) - requests
+
+
+def test_a_broken_answer_starts_the_stream_over_and_leaves_no_temp_file(registry: RegistryProcess,
+                                                                        tmp_path: Path) -> None:
+    """The registry's answer breaks off halfway (a proxy resets the connection): the client asks
+    again, the reader's decoding of that range starts over, the bytes are right, and the cache
+    holds the chunks and no temp file of the broken attempt."""
+    from tests.cache.helpers import temp_files
+    from tests.fetch.proxies import Fault, RegistryProxy
+
+    rng = random.Random(21)
+    content = file_bytes(rng, 2_000_000)
+    built = build_blob(tmp_path / "r.blob", {"f": content}, chunk_size=256 << 10)
+    digest = push_blob(registry.url, "test/reset", built.path.read_bytes())
+    cache = ChunkCache(tmp_path / "cache", 1 << 30)
+    entry = built.entries["f"]
+    with RegistryProxy(registry.url) as proxy:
+        proxy.add_fault(Fault("reset"))
+
+        async def main() -> bytes:
+            async with RegistryClient(FAST) as client:
+                source = RegistryRangeSource(client, f"{proxy.host}/test/reset", [digest])
+                reader = LayerReader(source, blobs=[digest], cache=cache, config=ReaderConfig(max_merge_bytes=4 << 20))
+                with trio.fail_after(60):
+                    return await reader.read(entry, 0, entry.size)
+
+        assert trio.run(main) == content
+        assert len(proxy.blob_requests()) == 2  # the broken answer and the retry
+    assert temp_files(tmp_path / "cache") == []
+    assert cache.usage().chunks == len(entry.chunks)
+
+
+def test_a_fetch_that_times_out_mid_stream_leaves_nothing_behind(tmp_path: Path) -> None:
+    """A source that stops sending halfway: the read fails after fetch_timeout, naming the
+    range, and neither a temp file nor a chunk of the unfinished range stays in the cache."""
+    from snapshotter.reader import FileRangeSource
+    from snapshotter.reader.source import RangeSink
+    from tests.cache.helpers import temp_files
+
+    built = build_blob(tmp_path / "t.blob", {"f": file_bytes(random.Random(2), 1_500_000)}, chunk_size=1 << 20)
+    entry = built.entries["f"]
+
+    class Stalls(FileRangeSource):
+        async def stream_range(self, blob: int, offset: int, length: int, sink: RangeSink) -> None:
+            data = await self.read_range(blob, offset, length)
+            await sink.write(data[:len(data) // 2])
+            await trio.sleep_forever()
+
+    cache = ChunkCache(tmp_path / "cache", 1 << 30)
+
+    async def main() -> None:
+        reader = LayerReader(Stalls([built.path]), blobs=["sha256:" + "1" * 64], cache=cache,
+                             config=ReaderConfig(fetch_timeout=0.5))
+        with trio.fail_after(30):
+            await reader.read(entry, 0, entry.size)
+
+    with pytest.raises(FetchError, match="not fetched within"):
+        trio.run(main)
+    assert temp_files(tmp_path / "cache") == [] and cache.usage().chunks == 0
