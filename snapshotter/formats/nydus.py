@@ -23,10 +23,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import posixpath
-from collections.abc import Mapping
+import struct
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, overload
 
 from snapshotter.errors import FormatError, LimitExceeded
 from snapshotter.formats import rafs_layout as L
@@ -51,6 +52,48 @@ _MAX_SYMLINK = 4096
 _MAX_NAME = 16384  # bytes of a full path; bounds memory on hostile deep trees
 
 
+# The two fields of a chunk table record that identify it: blob_index and index.
+_CHUNK_KEY = struct.Struct("<32xI36xI4x")
+
+
+class ChunkTable(Sequence[L.ChunkInfo]):
+    """The bootstrap's chunk table, each record decoded when it is asked for: a table of a
+    million chunks would otherwise be a million objects (three times its bytes) for as long as
+    the parse runs."""
+
+    def __init__(self, raw: bytes) -> None:
+        if len(raw) % L.CHUNK_INFO_SIZE:
+            raise ValueError(f"chunk table of {len(raw)} bytes is not a whole number of records")
+        self._raw = raw
+
+    def __len__(self) -> int:
+        return len(self._raw) // L.CHUNK_INFO_SIZE
+
+    @overload
+    def __getitem__(self, i: int) -> L.ChunkInfo: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[L.ChunkInfo]: ...
+
+    def __getitem__(self, i: int | slice) -> L.ChunkInfo | list[L.ChunkInfo]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"chunk table record {i} of {n}")
+        return L.unpack_chunk_info(self._raw, (i % n) * L.CHUNK_INFO_SIZE)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ChunkTable) and other._raw == self._raw
+
+    def __hash__(self) -> int:
+        return hash(self._raw)
+
+    def keys(self) -> Iterator[tuple[int, int]]:
+        """(blob_index, index) of each record, in table order, without decoding the rest."""
+        return _CHUNK_KEY.iter_unpack(self._raw)
+
+
 @dataclass(frozen=True)
 class BootstrapInfo:
     """The bootstrap's fixed tables, validated: superblocks, blob table, chunk table."""
@@ -58,7 +101,7 @@ class BootstrapInfo:
     sb: L.SuperBlock
     ext: L.ExtSuperBlock
     blobs: tuple[L.BlobEntry, ...]
-    chunk_table: tuple[L.ChunkInfo, ...]
+    chunk_table: ChunkTable
     prefetch_nids: tuple[int, ...]
 
     @property
@@ -133,7 +176,7 @@ def read_bootstrap_info(data: bytes, *, max_bootstrap_bytes: int) -> BootstrapIn
     if ext.chunk_table_size % L.CHUNK_INFO_SIZE:
         raise FormatError(f"nydus bootstrap: chunk table size {ext.chunk_table_size} is not a multiple of 80")
     ct = _slice(data, ext.chunk_table_offset, ext.chunk_table_size, "chunk table")
-    chunk_table = tuple(L.unpack_chunk_info(ct, off) for off in range(0, len(ct), L.CHUNK_INFO_SIZE))
+    chunk_table = ChunkTable(ct)
 
     if ext.prefetch_table_size % 4:
         raise FormatError(f"nydus bootstrap: prefetch table size {ext.prefetch_table_size} is not a multiple of 4")
@@ -204,9 +247,10 @@ class _Reader:
         self.byte_budget = len(data) + 8192
         self.name_budget = (64 << 20) + 16 * len(data)
         self.xattr_cache: dict[int, Mapping[str, bytes]] = {}
-        self.chunks_by_key: dict[tuple[int, int], L.ChunkInfo] = {}
-        for c in info.chunk_table:
-            self.chunks_by_key.setdefault((c.blob_index, c.index), c)
+        # (blob_index << 32 | index) -> position in the chunk table; the first record of a key wins
+        self.chunk_positions: dict[int, int] = {}
+        for pos, (blob_index, index) in enumerate(info.chunk_table.keys()):
+            self.chunk_positions.setdefault(blob_index << 32 | index, pos)
         self.ci_arrays = dict(ci_arrays or {})
         self.blob_digests = dict(blob_digests or {})
 
@@ -335,7 +379,7 @@ class _Reader:
             digest = self._ci_digest(blob_index, ci_index)
             return L.ChunkInfo(digest, blob_index, L.CHUNK_COMPRESSED if compressed else 0, csize, usize,
                                coff, uoff, 0, ci_index)
-        found = self.chunks_by_key.get((blob_index, ci_index))
+        found = self._table_record(blob_index, ci_index)
         if found is None:
             raise FormatError(
                 f"nydus bootstrap: no chunk info for blob {blob_index} chunk {ci_index} in the chunk table "
@@ -343,11 +387,16 @@ class _Reader:
             )
         return found
 
+    def _table_record(self, blob_index: int, ci_index: int) -> L.ChunkInfo | None:
+        in_range = 0 <= blob_index < 1 << 32 and 0 <= ci_index < 1 << 32  # else the two halves would mix
+        pos = self.chunk_positions.get(blob_index << 32 | ci_index) if in_range else None
+        return None if pos is None else self.info.chunk_table[pos]
+
     def _ci_digest(self, blob_index: int, ci_index: int) -> bytes:
         arr = self.blob_digests.get(blob_index)
         if arr is not None and len(arr) >= (ci_index + 1) * 32:
             return arr[ci_index * 32:(ci_index + 1) * 32]
-        found = self.chunks_by_key.get((blob_index, ci_index))
+        found = self._table_record(blob_index, ci_index)
         if found is None:
             raise FormatError(f"nydus bootstrap: no digest for blob {blob_index} chunk {ci_index}")
         return found.digest

@@ -746,3 +746,20 @@ def test_shared_symlink_blocks_amplification_is_refused() -> None:
     with pytest.raises(FormatError, match="re-reads more bytes"):
         parse_bootstrap(bytes(data), max_bootstrap_bytes=CAP)
     assert time.monotonic() - start < 5
+
+
+def test_chunk_table_decodes_records_when_asked() -> None:
+    """ChunkTable: the records of the raw table, decoded one at a time; keys without decoding."""
+    from snapshotter.formats.nydus import ChunkTable
+
+    records = [L.ChunkInfo(bytes([i]) * 32, i % 2, L.CHUNK_COMPRESSED, 100 + i, 4096, 1000 * i, 4096 * i, 0, i, 7)
+               for i in range(5)]
+    table = ChunkTable(b"".join(L.pack_chunk_info(c) for c in records))
+    assert len(table) == 5 and list(table) == records
+    assert table[-1] == records[4] and table[1:3] == records[1:3]
+    assert list(table.keys()) == [(c.blob_index, c.index) for c in records]
+    assert table == ChunkTable(b"".join(L.pack_chunk_info(c) for c in records))
+    with pytest.raises(IndexError):
+        table[5]
+    with pytest.raises(ValueError):
+        ChunkTable(b"\x00" * 79)
