@@ -8,19 +8,39 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 START_TIMEOUT = 20
+_started: list[subprocess.Popen[str]] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_daemon_left() -> Iterator[None]:
+    """A test that fails before it stops its daemon does not leave it (and its spare mount
+    process, which exits with it) running."""
+    yield
+    while _started:
+        proc = _started.pop()
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.communicate(timeout=START_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
 
 
 def _serve(tmp_path: Path, *extra: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "snapshotter.cli", "serve", "--root", str(tmp_path / "root"),
          "--address", str(tmp_path / "run" / "s.sock"), *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
+    _started.append(proc)
+    return proc
 
 
 def _wait_socket(path: Path, proc: subprocess.Popen[str]) -> None:
