@@ -155,7 +155,7 @@ class ChunkCache:
             timeout=self._busy_ms / 1000,
         )
         db.execute(f"PRAGMA busy_timeout = {self._busy_ms}")
-        db.execute("PRAGMA journal_mode = WAL")
+        self._set_wal(db)
         db.execute("PRAGMA synchronous = NORMAL")
         try:
             # executescript would commit a transaction opened with execute(): keep it in the script.
@@ -168,6 +168,23 @@ class ChunkCache:
         self._db, self._db_pid = db, pid
         self._me = None
         return db
+
+    def _set_wal(self, db: sqlite3.Connection) -> None:
+        """Switch the index to WAL. SQLite answers "database is locked" at once, without its busy
+        handler, when processes opening a new cache switch it at the same time (a daemon and its
+        spare mount process on a fresh node): retry that until busy_timeout."""
+        deadline = time.monotonic() + self._busy_ms / 1000
+        delay = 0.005
+        while True:
+            try:
+                db.execute("PRAGMA journal_mode = WAL")
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() + delay > deadline:
+                    db.close()
+                    raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
 
     @contextlib.contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:

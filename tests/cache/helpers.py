@@ -114,3 +114,9 @@ if __name__ == "__main__":
         _slow_write_main(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
     elif sys.argv[1] == "pin":
         _pin_main(sys.argv[2], sys.argv[3], sys.argv[4])
+
+
+def open_and_close(root: str) -> bool:
+    """Open the cache at root (creating it) and close it: for processes racing to create one."""
+    ChunkCache(root, 1 << 20).close()
+    return True

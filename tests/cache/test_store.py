@@ -277,3 +277,16 @@ def test_commit_all_is_one_transaction_and_no_room_gives_the_bytes_back(tmp_path
     again.write(d0)
     assert again.commit()  # another writer stored it first: still cached, nothing left over
     assert temp_files(tmp_path) == [] and cache.usage().chunks == 3
+
+
+def test_processes_creating_one_cache_at_once_all_open_it(tmp_path: Path) -> None:
+    """A daemon and its spare mount process open a node's new cache together: SQLite refused
+    the switch to WAL with "database is locked" (without waiting) to all but one of them."""
+    from tests.cache.helpers import open_and_close
+
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(6) as pool:
+        for round_no in range(15):
+            root = str(tmp_path / f"c{round_no}")
+            jobs = [pool.apply_async(open_and_close, (root,)) for _ in range(6)]
+            assert all(j.get(timeout=60) for j in jobs)
