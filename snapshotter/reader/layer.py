@@ -394,14 +394,8 @@ class LayerReader:
         """The parts of `chunks` inside file range [offset, end), in order."""
         keys = [self.key_for(c) for c in chunks]
         spans = [(max(offset, c.file_offset) - c.file_offset, min(end, c.end) - c.file_offset) for c in chunks]
-        # Cached chunks: read only the needed part (a 128 KiB FUSE read of a 4 MiB chunk); from
-        # the page cache inline when it is there, else in a worker thread.
         wanted = [(k, lo, hi - lo) for k, (lo, hi) in zip(keys, spans, strict=True)]
-        found = self._cache_get_resident(wanted)
-        if len(found) < len(wanted):
-            rest = [i for i in range(len(wanted)) if i not in found]
-            more = await self._cache_get_many([wanted[i] for i in rest])
-            found.update((rest[j], data) for j, data in more.items())
+        found = await self._cached_parts(wanted)
         missing = {keys[i]: chunks[i] for i in range(len(chunks)) if i not in found}
         self.stats.cache_misses += len(missing)
         extra = await self._neighbours(missing) if missing else None
@@ -423,11 +417,7 @@ class LayerReader:
                     lo, hi = spans[i]
                     found[i] = data[lo:hi]
             # Fetched into the cache: read the spans back (just written, so from the page cache).
-            again = self._cache_get_resident([wanted[i] for i in stored])
-            if len(again) < len(stored):
-                rest = [j for j in range(len(stored)) if j not in again]
-                more = await self._cache_get_many([wanted[stored[j]] for j in rest])
-                again.update((rest[j], data) for j, data in more.items())
+            again = await self._cached_parts([wanted[i] for i in stored])
             found.update((stored[j], data) for j, data in again.items())
             # A chunk evicted before we read it back (a cache far smaller than the reads) is fetched again.
             missing = {keys[i]: chunks[i] for i in stored if i not in found}
@@ -435,6 +425,17 @@ class LayerReader:
             raise FetchError(f"chunks {', '.join(sorted(missing))[:200]}: evicted from the cache as fast as "
                              "they were fetched (cache.max_bytes too small for the reads?)")
         return [found[i] for i in range(len(chunks))]
+
+    async def _cached_parts(self, wanted: list[tuple[str, int, int]]) -> dict[int, bytes | bytearray]:
+        """Those of the (key, offset, size) parts the cache holds, by position: only the needed
+        part of each chunk (a 128 KiB FUSE read of a 4 MiB chunk), from the page cache inline
+        when it is there, else in a worker thread."""
+        found = self._cache_get_resident(wanted)
+        if len(found) < len(wanted):
+            rest = [i for i in range(len(wanted)) if i not in found]
+            more = await self._cache_get_many([wanted[i] for i in rest])
+            found.update((rest[j], data) for j, data in more.items())
+        return found
 
     async def _obtain(self, wanted: dict[str, Chunk], extra: dict[str, Chunk] | None = None, *,
                       into_memory: bool = False) -> dict[str, bytes | None]:
