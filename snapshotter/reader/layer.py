@@ -715,18 +715,9 @@ class LayerReader:
         if not isinstance(source, StreamingRangeSource):
             await sink.write(await self._fetch(blob, offset, length))
             return
-        self.stats.requests += 1
-        try:
+        with self._source_request(blob, offset, length):
             await source.stream_range(blob, offset, length, sink)
-        except SnapshotterError:
-            raise
-        except (OSError, ValueError) as exc:
-            raise FetchError(f"blob {self._blob_name(blob)} range {offset}+{length}: {exc}") from exc
-        if sink.received != length:
-            raise FetchError(
-                f"blob {self._blob_name(blob)} range {offset}+{length}: source answered {sink.received} bytes"
-            )
-        self._count_fetched(length)
+        self._answered(blob, offset, length, sink.received)
 
     async def _store_later(
         self, items: list[tuple[str, bytes | None]], flights: dict[str, _Flight], held: int
@@ -742,21 +733,27 @@ class LayerReader:
                 self._forget_flight(key, flight)
 
     async def _fetch(self, blob: int, offset: int, length: int) -> bytes | bytearray:
+        with self._source_request(blob, offset, length):
+            data = await self.source.read_range(blob, offset, length)
+        self._answered(blob, offset, length, len(data))
+        return data
+
+    @contextmanager
+    def _source_request(self, blob: int, offset: int, length: int) -> Iterator[None]:
+        """One request to the source, counted; its OS-level errors leave as FetchError naming the range."""
         self.stats.requests += 1
         try:
-            data = await self.source.read_range(blob, offset, length)
+            yield
         except SnapshotterError:
             raise
         except (OSError, ValueError) as exc:
             raise FetchError(f"blob {self._blob_name(blob)} range {offset}+{length}: {exc}") from exc
-        if len(data) != length:
-            raise FetchError(
-                f"blob {self._blob_name(blob)} range {offset}+{length}: source answered {len(data)} bytes"
-            )
-        self._count_fetched(length)
-        return data
 
-    def _count_fetched(self, length: int) -> None:
+    def _answered(self, blob: int, offset: int, length: int, got: int) -> None:
+        """The source answered `got` bytes for the range: FetchError unless that is all of it;
+        else count them (under this task's fetch cause)."""
+        if got != length:
+            raise FetchError(f"blob {self._blob_name(blob)} range {offset}+{length}: source answered {got} bytes")
         self.stats.fetched_bytes += length
         cause = _CAUSE.get()
         self.stats.fetched_bytes_by_cause[cause] = self.stats.fetched_bytes_by_cause.get(cause, 0) + length
