@@ -827,9 +827,12 @@ class RegistryClient:
             try:
                 resp = await client.send(client.build_request(method, url, headers=req_headers), stream=True)
             except httpx.ConnectError:
-                if host.http_fallback and same_origin and host.host not in self._plain_http:
-                    log.info("registry %s: no TLS answer; falling back to plain HTTP", host.host)
-                    self._plain_http.add(host.host)
+                # Requests that started together all tried TLS: each one that fails switches,
+                # not only the first (the others would otherwise wait out a retry's backoff).
+                if host.http_fallback and same_origin and url.startswith("https://"):
+                    if host.host not in self._plain_http:
+                        log.info("registry %s: no TLS answer; falling back to plain HTTP", host.host)
+                        self._plain_http.add(host.host)
                     url = self._host_url(host, ctx)
                     continue
                 raise

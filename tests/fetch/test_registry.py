@@ -151,3 +151,29 @@ def test_manifest_digest_is_verified(image: PushedImage) -> None:
                 await c.fetch_manifest(bad)
 
     trio.run(main)
+
+
+def test_concurrent_first_requests_all_fall_back_to_plain_http_without_retrying(
+        image: PushedImage, big_layer: tuple[str, bytes], caplog: pytest.LogCaptureFixture) -> None:
+    """Several requests to a loopback registry start before any has learned it has no TLS (a
+    daemon resolving an image's layers at once): each one's failed TLS attempt switches to plain
+    HTTP at once. The one that lost the race used to wait out a retry's backoff."""
+    caplog.set_level(logging.INFO, logger="snapshotter.fetch")
+    digest, data = big_layer
+    got: dict[int, bytes] = {}
+
+    async def main() -> None:
+        async with RegistryClient(FAST) as c:
+            async def one(i: int) -> None:
+                got[i] = bytes(await c.read_range(image.ref, digest, i * 100, 100))
+
+            async with trio.open_nursery() as nursery:
+                for i in range(4):
+                    nursery.start_soon(one, i)
+            assert c.stats.retries == 0
+            assert c.stats.requests == 4
+
+    trio.run(main)
+    assert got == {i: data[i * 100:i * 100 + 100] for i in range(4)}
+    assert "attempt 1/" not in caplog.text
+    assert caplog.text.count("falling back to plain HTTP") == 1
