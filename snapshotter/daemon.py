@@ -141,6 +141,7 @@ class Daemon:
         self.snapshotter = Snapshotter(root)
         self.mounter = MountManager(self.config)
         backend = self.backend = RemoteBackend(self.snapshotter, self.config, self.mounter)
+        backend.resolve_loop.start_in_background()
         # Adopt surviving mount processes (and clear stale mounts) off the start-up path.
         threading.Thread(target=self.mounter.adopt, name="adopt-mounts", daemon=True).start()
         self.mounter.schedule_spare(delay=0.0)

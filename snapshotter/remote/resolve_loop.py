@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import trio
 
-from snapshotter.fetch.client import RegistryClient
+from snapshotter.fetch.client import RegistryClient, warm_up
 from snapshotter.fetch.config import FetchConfig
 
 T = TypeVar("T")
@@ -44,6 +44,20 @@ class ResolveLoop:
             return await job(client)
 
         return trio.from_thread.run(in_loop, trio_token=token)
+
+    def start_in_background(self) -> None:
+        """Start the loop and build the default TLS context on a thread of their own, so the
+        daemon's first Prepare does not pay for them (about 20 ms). Errors are left for the
+        first `run` to meet and report."""
+
+        def start() -> None:
+            try:
+                self._ensure_started()
+                warm_up()
+            except Exception:  # noqa: BLE001 - the first run() starts it again and raises
+                pass
+
+        threading.Thread(target=start, name="resolve-loop-start", daemon=True).start()
 
     def _ensure_started(self) -> tuple[trio.lowlevel.TrioToken, RegistryClient]:
         with self._lock:
