@@ -108,6 +108,35 @@ class RepairReport:
     missing_files: int = 0
 
 
+_dev_null_fd: list[int] = []  # opened once, on first use
+_dev_null_lock = threading.Lock()
+
+
+def _dev_null() -> int:
+    with _dev_null_lock:
+        if not _dev_null_fd:
+            _dev_null_fd.append(os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC))
+        return _dev_null_fd[0]
+
+
+def _into_page_cache(fd: int, size: int) -> None:
+    """Have the kernel read the file's first `size` bytes into the page cache, without copying
+    them to this process (sendfile to /dev/null); falls back to fadvise(WILLNEED), which only
+    starts the reads, where sendfile refuses."""
+    null = _dev_null()
+    offset = 0
+    try:
+        while offset < size:
+            sent = os.sendfile(null, fd, offset, size - offset)
+            if sent <= 0:
+                return  # the file is shorter than recorded; the next get notices
+            offset += sent
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise
+        os.posix_fadvise(fd, offset, 0, os.POSIX_FADV_WILLNEED)
+
+
 class ChunkCache:
     """A size-capped, content-addressed chunk store; see the module docstring for invariants."""
 
@@ -289,9 +318,13 @@ class ChunkCache:
             self._open_files.checkin(held)
 
     def warm(self, keys: Iterable[str]) -> set[str]:
-        """Have the kernel start reading the cached ones of `keys` into the page cache
-        (POSIX_FADV_WILLNEED, which does not wait for the disk), and keep their files open for
-        the `get`s that follow. Returns the keys that are cached."""
+        """Read the cached ones of `keys` into the page cache and keep their files open for the
+        `get`s that follow; returns the keys that are cached. Blocks until the disk has answered.
+
+        The bytes go from the file to /dev/null in the kernel (sendfile), so they are not
+        copied out: the cost is the disk read. Several threads warming different chunks at
+        once keep the disk busy, which one reader going from one chunk file to the next does
+        not (it waits for each file's first read before the next file's starts)."""
         found: set[str] = set()
         for key in keys:
             try:
@@ -299,7 +332,7 @@ class ChunkCache:
                 if held is None:
                     continue
                 try:
-                    os.posix_fadvise(held.fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                    _into_page_cache(held.fd, held.size)
                 finally:
                     self._open_files.checkin(held)
             except (sqlite3.Error, OSError) as exc:

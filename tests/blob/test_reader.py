@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import random
 import tempfile
+import threading
+import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -376,6 +378,62 @@ def test_sequential_reads_finishing_out_of_order_keep_one_read_ahead_stream(blob
     assert warmed and max(warmed.values()) == 1, warmed
     # The stream began with the second read (0 to `step`): every chunk after it was warmed ahead.
     assert warmed_total == sum(1 for c in entry.chunks if c.file_offset >= step)
+
+
+def test_read_ahead_reads_a_windows_cached_chunks_into_memory_on_several_threads(blob: BuiltBlob,
+                                                                                tmp_path: Path) -> None:
+    """One thread going from one chunk file to the next keeps the disk half idle: the window's
+    cached chunks are warmed by several threads at once, each chunk once, nearest first."""
+    cache = ChunkCache(tmp_path, 1 << 30)
+    entry = blob.entries["big"]
+    calls: list[list[str]] = []
+    active = [0, 0]  # now, most at once
+    lock = threading.Lock()
+    real_warm = cache.warm
+
+    def slow_warm(keys: list[str]) -> set[str]:
+        with lock:
+            calls.append(list(keys))
+            active[0] += 1
+            active[1] = max(active[1], active[0])
+        time.sleep(0.1)  # a slow disk
+        try:
+            return real_warm(keys)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    all_keys: list[str] = []
+
+    async def main() -> tuple[list[str], int]:
+        async with open_layer_reader(FileRangeSource([blob.path]), blobs=[LAYER], cache=cache) as reader:
+            await reader.prefetch(entry)
+            all_keys.extend(reader.key_for(c) for c in entry.chunks)
+            keys = set(all_keys)
+            with trio.fail_after(10):  # the cache writes finish in the background
+                while cache.present(keys) != keys:
+                    await trio.sleep(0.01)
+        cache.warm = slow_warm  # type: ignore[method-assign]
+        config = ReaderConfig(readahead_bytes=len(entry.chunks) * CHUNK, readahead_trigger=2)
+        async with open_layer_reader(FileRangeSource([blob.path]), blobs=[LAYER], cache=cache,
+                                     config=config) as reader:
+            await _read_first_two_chunks(reader, blob, entry)
+            ahead = [reader.key_for(c) for c in entry.chunks[2:]]
+            with trio.fail_after(10):
+                while reader.stats.readahead_warmed < len(ahead):
+                    await trio.sleep(0.01)
+            return ahead, reader.stats.readahead_chunks
+
+    ahead, fetched_ahead = trio.run(main)
+    assert fetched_ahead == 0
+    warmed = [k for keys in calls for k in keys]
+    assert len(warmed) == len(set(warmed)), "a chunk was warmed twice"
+    assert set(ahead) <= set(warmed), "a chunk of the window was not warmed"
+    assert active[1] > 1, "the window was warmed one chunk file at a time"
+    # The first warm calls of a window start with its nearest chunks (each thread takes every n-th).
+    order = {k: i for i, k in enumerate(all_keys)}
+    firsts = sorted(order[keys[0]] for keys in calls[:active[1]])
+    assert firsts == list(range(firsts[0], firsts[0] + len(firsts))), firsts
 
 
 def test_two_layers_sharing_content_store_it_once(tmp_path: Path) -> None:
