@@ -301,21 +301,39 @@ class ChunkCache:
         if held is None:
             return None
         try:
-            if time.time() - held.touched >= self.touch_interval:
-                return None
             want = max(0, min(held.size - offset, size))
             buf = bytearray(want)
-            try:
-                got = os.preadv(held.fd, [buf], offset, os.RWF_NOWAIT) if want else 0
-            except BlockingIOError:
-                return None
-            except OSError as exc:
-                if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-                    _no_nowait_reads()
-                return None
-            return buf if got == want else None
+            return buf if self._read_resident(held, offset, memoryview(buf)) else None
         finally:
             self._open_files.checkin(held)
+
+    def read_resident_into(self, key: str, offset: int, into: memoryview) -> bool:
+        """Fill `into` with the chunk's bytes from `offset` on, under `get_resident`'s
+        conditions; False (`into` partly written, maybe) when they do not hold or the chunk
+        ends before `into` is full. Lets a read spanning chunks land in one buffer."""
+        if not _NOWAIT_READS or offset < 0:
+            return False
+        held = self._open_files.checkout(key)
+        if held is None:
+            return False
+        try:
+            return offset + len(into) <= held.size and self._read_resident(held, offset, into)
+        finally:
+            self._open_files.checkin(held)
+
+    def _read_resident(self, held: OpenChunk, offset: int, into: memoryview) -> bool:
+        if time.time() - held.touched >= self.touch_interval:
+            return False
+        if not len(into):
+            return True
+        try:
+            return os.preadv(held.fd, [into], offset, os.RWF_NOWAIT) == len(into)
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                _no_nowait_reads()
+            return False
 
     def warm(self, keys: Iterable[str]) -> set[str]:
         """Read the cached ones of `keys` into the page cache and keep their files open for the

@@ -436,6 +436,33 @@ def test_read_ahead_reads_a_windows_cached_chunks_into_memory_on_several_threads
     assert firsts == list(range(firsts[0], firsts[0] + len(firsts))), firsts
 
 
+def test_a_read_across_cached_chunks_is_read_into_one_buffer(blob: BuiltBlob, tmp_path: Path) -> None:
+    """The parts of a read spanning chunks whose files are open and in the page cache land in
+    one buffer, read straight from the files: no per-chunk pieces to join."""
+    cache = ChunkCache(tmp_path, 1 << 30, touch_interval=3600)
+    entry = blob.entries["big"]
+    want = blob.contents["big"]
+
+    async def main() -> None:
+        async with open_layer_reader(FileRangeSource([blob.path]), blobs=[LAYER], cache=cache,
+                                     config=ReaderConfig(readahead_bytes=0)) as reader:
+            for c in entry.chunks[:4]:  # fetched, then served from the cache: the files are open
+                assert await reader.read(entry, c.file_offset, 1) == want[c.file_offset:c.file_offset + 1]
+                assert await reader.read(entry, c.file_offset, 1) == want[c.file_offset:c.file_offset + 1]
+
+            def no(*args: object) -> None:
+                raise AssertionError("read piece by piece")
+
+            cache.get_resident = no  # type: ignore[method-assign]
+            cache.get = no  # type: ignore[method-assign]
+            hits = reader.stats.cache_hits
+            lo, hi = CHUNK // 2, 3 * CHUNK + 100  # parts of four chunks
+            assert await reader.read(entry, lo, hi - lo) == want[lo:hi]
+            assert reader.stats.cache_hits == hits + 4
+
+    trio.run(main)
+
+
 def test_two_layers_sharing_content_store_it_once(tmp_path: Path) -> None:
     files = make_files(7)
     a = build_blob(tmp_path / "a.blob", files, chunk_size=CHUNK, seed=1)

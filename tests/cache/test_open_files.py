@@ -144,6 +144,25 @@ def test_get_resident_serves_only_open_page_cached_chunks_without_waiting(tmp_pa
     assert cache.get_resident(key, 0, 4096) is None  # a short read is a miss, never short data
 
 
+def test_read_resident_into_fills_a_slice_of_a_bigger_buffer_or_says_no(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, 16 << 20, touch_interval=3600)
+    a, data_a = chunk(7, 1 << 20)
+    b, data_b = chunk(8, 1 << 20)
+    assert cache.put(a, data_a) and cache.put(b, data_b)
+    buf = bytearray(300_000)
+    view = memoryview(buf)
+    assert not cache.read_resident_into(a, 0, view[:10])  # not open here yet
+    assert cache.get(a, 0, 1) == data_a[:1] and cache.get(b, 0, 1) == data_b[:1]
+    # The end of one chunk and the start of the next, side by side in one buffer.
+    assert cache.read_resident_into(a, len(data_a) - 100_000, view[:100_000])
+    assert cache.read_resident_into(b, 0, view[100_000:])
+    assert bytes(buf) == data_a[-100_000:] + data_b[:200_000]
+    assert not cache.read_resident_into(a, len(data_a) - 10, view[:11]), "past the chunk's end"
+    assert cache.read_resident_into(a, 5, view[:0])
+    _drop_page_cache()
+    assert not cache.read_resident_into(b, 0, view[:4096]), "on disk only"
+
+
 def test_get_resident_leaves_the_lru_refresh_to_get(tmp_path: Path) -> None:
     cache = ChunkCache(tmp_path, 16 << 20, touch_interval=0.05)
     key, data = chunk(6, 4096)
