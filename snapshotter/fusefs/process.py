@@ -498,7 +498,10 @@ def main(argv: Sequence[str] | None = None, *, reader_kinds: Mapping[str, Reader
         state = parse_state(Path(state_file).read_bytes(), state_file)
         with gc_paused():
             tree = load_tree(state)
-        gc.freeze()  # the tree lives as long as the process: later collections need not scan it
+            # The tree lives as long as the process: later collections need not scan it. Frozen
+            # before the collector is back on, or its first pass scans the whole tree (9 ms for
+            # 11,000 files, on the container's start path).
+            gc.freeze()
     except (OSError, SnapshotterError) as exc:
         log.error("%s", exc)
         return 2

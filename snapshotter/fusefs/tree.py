@@ -49,7 +49,7 @@ from __future__ import annotations
 import os
 import posixpath
 import stat
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -252,19 +252,11 @@ def _from_entry(entry: Entry, layer: int) -> _B:
         size = entry.size
     elif entry.type is EntryType.SYMLINK:
         size = len(os.fsencode(entry.link_target))
+    # Positional, in _B's field order (keywords cost twice the time of the call, once per file).
     return _B(
-        type=entry.type,
-        mode=entry.mode & 0o7777,
-        uid=entry.uid,
-        gid=entry.gid,
-        mtime_ns=entry.mtime_ns,
-        size=size,
-        link_target=entry.link_target if entry.type is EntryType.SYMLINK else "",
-        dev_major=entry.dev_major,
-        dev_minor=entry.dev_minor,
-        xattrs=_clean_xattrs(entry.xattrs),
-        layer=layer,
-        entry=entry,
+        entry.type, entry.mode & 0o7777, entry.uid, entry.gid, entry.mtime_ns, size,
+        entry.link_target if entry.type is EntryType.SYMLINK else "", entry.dev_major, entry.dev_minor,
+        _clean_xattrs(entry.xattrs), layer, entry,
     )
 
 
@@ -359,6 +351,15 @@ class _RunMerger:
             made[e.name] = node
 
 
+def _readdir_order(names: Iterable[str]) -> tuple[str, ...]:
+    """The names sorted by their bytes (what the kernel's overlay and tar extraction show).
+    ASCII names sort the same as strings, without encoding each one (most directories)."""
+    names = list(names)
+    if all(n.isascii() for n in names):
+        return tuple(sorted(names))
+    return tuple(sorted(names, key=os.fsencode))
+
+
 def _freeze(roots: list[_B], subtrees: bool, opaque_xattrs: Sequence[str],
             bare_runs: Collection[int] = ()) -> tuple[dict[int, Node], int, bool]:
     """Number the nodes depth first and build the immutable Nodes. Returns (nodes, file bytes,
@@ -380,7 +381,7 @@ def _freeze(roots: list[_B], subtrees: bool, opaque_xattrs: Sequence[str],
         next_inode += 1
         order.append((b, name, parent, marked))
         if b.type is EntryType.DIR and not b.whiteout:  # b.is_real_dir, without the call
-            names = b.sorted_names = tuple(sorted(b.children, key=os.fsencode))
+            names = b.sorted_names = _readdir_order(b.children)
             kids = b.children
             for child in reversed(names):
                 child_marked = marked and not (b is top and subtrees and int(child) in bare_runs)
@@ -412,12 +413,11 @@ def _freeze(roots: list[_B], subtrees: bool, opaque_xattrs: Sequence[str],
                 file_bytes += b.size
         if xattrs:
             has_xattrs = True
+        # Positional, in Node's field order: keywords make this call 2.5x slower (one per file).
         nodes[inode] = Node(
-            inode=inode, type=b.type, mode=b.mode, uid=b.uid, gid=b.gid, mtime_ns=b.mtime_ns,
-            size=b.size, nlink=nlink, name=name, parent=parent, layer=b.layer, entry=b.entry,
-            link_target=b.link_target, dev_major=b.dev_major, dev_minor=b.dev_minor, xattrs=xattrs,
-            children=MappingProxyType(children) if children else _EMPTY_CHILDREN, names=names,
-            whiteout=b.whiteout, opaque=opaque,
+            inode, b.type, b.mode, b.uid, b.gid, b.mtime_ns, b.size, nlink, name, parent, b.layer, b.entry,
+            b.link_target, b.dev_major, b.dev_minor, xattrs,
+            MappingProxyType(children) if children else _EMPTY_CHILDREN, names, b.whiteout, opaque,
         )
     return nodes, file_bytes, has_xattrs
 

@@ -223,3 +223,19 @@ def test_bare_bottom_run_has_no_overlay_markers() -> None:
     assert not any(n.whiteout for n in t.nodes.values() if t.path_of(n).startswith("0/"))
     # Run 1 still has something below it, so it keeps its markers.
     assert node(t, "1/o").whiteout
+
+
+def test_directory_entries_are_in_byte_order_of_their_names() -> None:
+    """readdir order is the names' bytes (UTF-8, with undecodable bytes as surrogate escapes),
+    which differs from str order once a name holds an escaped byte and a character >= U+E000."""
+    ascii_names = ["b", "a", "B", "_", "a0"]
+    mixed = ["\ue000", "\udcff", "z", "\xe9"]  # UTF-8: ee 80 80 / ff / 7a / c3 a9
+    layer = Layer().dir("ascii").dir("mixed")
+    for n in ascii_names:
+        layer = layer.file(f"ascii/{n}", b"")
+    for n in mixed:
+        layer = layer.file(f"mixed/{n}", b"")
+    t = merged(layer)
+    assert names(t, "ascii") == ["B", "_", "a", "a0", "b"]
+    assert names(t, "mixed") == ["z", "\xe9", "\ue000", "\udcff"]
+    assert sorted(mixed) != names(t, "mixed"), "the case that tells byte order from str order"
