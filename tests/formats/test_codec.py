@@ -8,11 +8,12 @@ import hashlib
 import random
 
 import pytest
+import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from snapshotter.errors import DigestMismatch, FormatError
-from snapshotter.formats.codec import ChunkDecoder, StreamDecoder, decompress_chunk, decompress_prefix
+from snapshotter.formats.codec import DEFAULT_PIECE, ChunkDecoder, StreamDecoder, decompress_chunk, decompress_prefix
 from snapshotter.formats.digest import DigestCheck
 from snapshotter.formats.index import Chunk, Compression
 from snapshotter.formats.lz4block import compress_block
@@ -116,3 +117,34 @@ def test_digest_check_of_pieces() -> None:
         bad.verify()
     with pytest.raises(FormatError, match="unsupported digest"):
         DigestCheck("md5:00", "chunk z")
+
+
+def test_zstd_output_is_handed_on_in_small_pieces_not_held_per_chunk() -> None:
+    """A streaming decoder hands zstd output on as it comes (at most 128 KiB waiting), so a
+    mount decoding several 1 MiB Nydus chunks at once does not hold a chunk of output for each."""
+    import tracemalloc
+
+    rng = random.Random(5)
+    data = bytes(rng.choice(b"abcdefgh ") for _ in range(1 << 20))
+    comp = zstandard.ZstdCompressor(level=3).compress(data)
+    chunk = Chunk(0, len(data), 0, len(comp), Compression.ZSTD, None)
+    got = hashlib.sha256()
+    sizes: list[int] = []
+
+    def emit(piece: bytes) -> None:
+        sizes.append(len(piece))
+        got.update(piece)
+
+    pieces = [comp[i:i + (64 << 10)] for i in range(0, len(comp), 64 << 10)]
+    tracemalloc.start()
+    try:
+        decoder = ChunkDecoder(chunk, emit)
+        for piece in pieces:
+            decoder.feed(piece)
+        decoder.finish()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert got.hexdigest() == hashlib.sha256(data).hexdigest()
+    assert len(sizes) > 4 and max(sizes) <= DEFAULT_PIECE, sizes
+    assert peak < 768 << 10, f"peak {peak} bytes while decoding a 1 MiB chunk"
