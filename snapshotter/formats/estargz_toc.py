@@ -139,9 +139,7 @@ def _finish_chunks(p: PendingEntry, offsets: list[int], toc_offset: int, what: s
         digest = rc.digest
         if digest is None and len(p.chunks) == 1:
             digest = p.digest  # a single-chunk file: the file digest is the chunk digest
-        out.append(Chunk(file_offset=rc.file_offset, size=size, blob_offset=rc.blob_offset,
-                         blob_size=blob_size, compression=Compression.GZIP, digest=digest,
-                         inner_offset=rc.inner_offset))
+        out.append(Chunk(rc.file_offset, size, rc.blob_offset, blob_size, Compression.GZIP, digest, rc.inner_offset))
     return tuple(out)
 
 

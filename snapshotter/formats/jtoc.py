@@ -26,6 +26,7 @@ from typing import Any
 from snapshotter.errors import FormatError
 from snapshotter.formats.index import (
     NO_PREFETCH_LANDMARK,
+    NO_XATTRS,
     PREFETCH_LANDMARK,
     Chunk,
     Entry,
@@ -35,10 +36,12 @@ from snapshotter.formats.index import (
     normalize_name,
 )
 from snapshotter.formats.toc_fields import (
+    DIGEST_RE,
     MAX_INT,
     digest_field,
     int_field,
     mtime_ns_field,
+    rfc3339_ns,
     str_field,
     xattrs_field,
 )
@@ -148,10 +151,9 @@ class PendingEntry:
     end_offset: int = 0  # zstd:chunked (containers/storage) endOffset: where the last chunk ends
 
     def entry(self, nlink: int, chunks: tuple[Chunk, ...] = ()) -> Entry:
-        return Entry(name=self.name, type=self.type, mode=self.mode, uid=self.uid, gid=self.gid,
-                     mtime_ns=self.mtime_ns, size=self.size, link_target=self.link_target,
-                     dev_major=self.dev_major, dev_minor=self.dev_minor, xattrs=self.xattrs, nlink=nlink,
-                     digest=self.digest, chunks=chunks)
+        # Positional, in Entry's field order: keywords cost as much again as the call (one per file).
+        return Entry(self.name, self.type, self.mode, self.uid, self.gid, self.mtime_ns, self.size,
+                     self.link_target, self.dev_major, self.dev_minor, self.xattrs, nlink, self.digest, chunks)
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,36 @@ ESTARGZ = JtocDialect()
 ZSTD_CHUNKED = JtocDialect(chunk_types=True, end_offsets=True)
 
 FinishChunks = Callable[[PendingEntry, list[int]], tuple[Chunk, ...]]
+
+
+class _At:
+    """`what` for one entry, formatted only when an error message needs it (a big TOC has
+    100k entries, nearly all fine): "<what>, entry 7" or "<what>, entry 'etc/passwd'"."""
+
+    __slots__ = ("what", "where")
+
+    def __init__(self, what: str, where: int | str) -> None:
+        self.what, self.where = what, where
+
+    def __str__(self) -> str:
+        return f"{self.what}, entry {self.where!r}" if isinstance(self.where, str) else \
+            f"{self.what}, entry {self.where}"
+
+
+def _plain_str(raw: Mapping[str, Any], key: str, what: object) -> str:
+    """str_field, with the usual case (a string without NUL) checked inline."""
+    v = raw.get(key, "")
+    if type(v) is str and "\x00" not in v:
+        return v
+    return str_field(raw, key, what)  # type: ignore[arg-type]
+
+
+def _digest(raw: Mapping[str, Any], key: str, what: object) -> str | None:
+    """digest_field, with a well-formed digest checked inline."""
+    v = raw.get(key)
+    if type(v) is str and DIGEST_RE.fullmatch(v) is not None:
+        return v
+    return digest_field(raw, key, what)  # type: ignore[arg-type]
 
 
 def _name(raw: str) -> str:
@@ -189,7 +221,7 @@ def _chunk(raw: Mapping[str, Any], what: str, dialect: JtocDialect) -> RawChunk:
     if type(file_offset) is int and type(size) is int and type(offset) is int and type(inner) is int \
             and 0 <= file_offset <= MAX_INT and 0 <= size <= MAX_INT and 0 <= offset <= MAX_INT \
             and 0 <= inner <= MAX_INT:  # the usual case, checked inline (a big TOC has 100k of these)
-        return RawChunk(file_offset, size, offset, inner, digest_field(raw, "chunkDigest", what), zeros)
+        return RawChunk(file_offset, size, offset, inner, _digest(raw, "chunkDigest", what), zeros)
     return RawChunk(
         file_offset=int_field(raw, "chunkOffset", what),
         size=int_field(raw, "chunkSize", what),
@@ -200,8 +232,8 @@ def _chunk(raw: Mapping[str, Any], what: str, dialect: JtocDialect) -> RawChunk:
     )
 
 
-def _pending(raw: Mapping[str, Any], type_: EntryType, name: str, what: str) -> PendingEntry:
-    link = str_field(raw, "linkName", what)
+def _pending(raw: Mapping[str, Any], type_: EntryType, name: str, what: Any) -> PendingEntry:
+    link = _plain_str(raw, "linkName", what)
     if type_ is EntryType.HARDLINK:
         link = normalize_name(link, allow_root=False)
     elif type_ is EntryType.SYMLINK:
@@ -209,7 +241,11 @@ def _pending(raw: Mapping[str, Any], type_: EntryType, name: str, what: str) -> 
             raise FormatError(f"{what}: symlink without a target")
     else:
         link = ""
-    size = int_field(raw, "size", what) if type_ is EntryType.REG else 0
+    size = 0
+    if type_ is EntryType.REG:
+        size = raw.get("size", 0)
+        if type(size) is not int or not 0 <= size <= MAX_INT:
+            size = int_field(raw, "size", what)
     dev = type_ in (EntryType.CHAR, EntryType.BLOCK)
     get = raw.get
     mode, uid, gid = get("mode", 0), get("uid", 0), get("gid", 0)
@@ -217,12 +253,18 @@ def _pending(raw: Mapping[str, Any], type_: EntryType, name: str, what: str) -> 
             and 0 <= uid <= MAX_ID and 0 <= gid <= MAX_ID):  # else the field readers say what is wrong
         mode, uid, gid = int_field(raw, "mode", what), int_field(raw, "uid", what, hi=MAX_ID), \
             int_field(raw, "gid", what, hi=MAX_ID)
+    modtime = raw.get("modtime")
+    try:
+        mtime_ns = rfc3339_ns(modtime) if type(modtime) is str and modtime and "\x00" not in modtime \
+            else mtime_ns_field(raw, what)
+    except ValueError:
+        mtime_ns = mtime_ns_field(raw, what)  # raises, naming the entry
     return PendingEntry(
-        name, type_, mode & 0o7777, uid, gid, mtime_ns_field(raw, what), size, link,
+        name, type_, mode & 0o7777, uid, gid, mtime_ns, size, link,
         int_field(raw, "devMajor", what, hi=MAX_ID) if dev else 0,
         int_field(raw, "devMinor", what, hi=MAX_ID) if dev else 0,
-        xattrs_field(raw, what),
-        digest_field(raw, "digest", what) if type_ is EntryType.REG else None,
+        NO_XATTRS if raw.get("xattrs") is None else xattrs_field(raw, what),
+        _digest(raw, "digest", what) if type_ is EntryType.REG else None,
     )
 
 
@@ -245,14 +287,14 @@ def read_entries(raws: list[Any], what: str, dialect: JtocDialect) -> TocEntries
     last_reg: PendingEntry | None = None
     for i in range(len(raws)):
         raw, raws[i] = raws[i], None
-        ewhat = f"{what}, entry {i}"
+        ewhat: Any = _At(what, i)
         if not isinstance(raw, dict):
             raise FormatError(f"{ewhat}: not an object")
-        kind = str_field(raw, "type", ewhat)
+        kind = _plain_str(raw, "type", ewhat)
         if kind == "chunk":
             if last_reg is None or last_reg.size == 0:
                 raise FormatError(f"{ewhat}: chunk entry does not follow a non-empty regular file")
-            cname = str_field(raw, "name", ewhat)
+            cname = _plain_str(raw, "name", ewhat)
             if cname and normalize_name(cname) != last_reg.name:
                 raise FormatError(f"{ewhat}: chunk of {cname!r} follows file {last_reg.name!r}")
             rc = _chunk(raw, ewhat, dialect)
@@ -262,8 +304,8 @@ def read_entries(raws: list[Any], what: str, dialect: JtocDialect) -> TocEntries
         type_ = TYPES.get(kind)
         if type_ is None:
             raise FormatError(f"{ewhat}: unknown entry type {kind!r}")
-        name = _name(str_field(raw, "name", ewhat))
-        ewhat = f"{what}, entry {name!r}"
+        name = _name(_plain_str(raw, "name", ewhat))
+        ewhat = _At(what, name)
         if name in by_name:
             raise FormatError(f"{ewhat}: listed twice")
         if name == "" and type_ is not EntryType.DIR:

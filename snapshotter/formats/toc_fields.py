@@ -56,7 +56,8 @@ def digest_field(raw: Mapping[str, Any], key: str, what: str) -> str | None:
 
 
 @functools.lru_cache(maxsize=4096)  # a layer's files share few distinct times (one package install)
-def _rfc3339_ns(text: str) -> int:
+def rfc3339_ns(text: str) -> int:
+    """RFC 3339 text -> ns since the epoch; ValueError naming the problem."""
     m = _TIME_RE.fullmatch(text)
     if not m:
         raise ValueError("is not RFC 3339")
@@ -80,7 +81,7 @@ def mtime_ns_field(raw: Mapping[str, Any], what: str) -> int:
     if not text:
         return 0
     try:
-        return _rfc3339_ns(text)
+        return rfc3339_ns(text)
     except ValueError as exc:
         raise FormatError(f"{what}: modtime {text!r} {exc}") from None
 
