@@ -342,8 +342,14 @@ class ChunkCache:
         The bytes go from the file to /dev/null in the kernel (sendfile), so they are not
         copied out: the cost is the disk read. Several threads warming different chunks at
         once keep the disk busy, which one reader going from one chunk file to the next does
-        not (it waits for each file's first read before the next file's starts)."""
+        not (it waits for each file's first read before the next file's starts).
+
+        Warming is a use: the LRU rows of the warmed chunks that are due a refresh get it here,
+        in one transaction, so the reads that follow are served without waiting (`get_resident`
+        leaves a chunk due a refresh to `get`, one write transaction per chunk)."""
         found: set[str] = set()
+        now = time.time()
+        stale: list[str] = []
         for key in keys:
             try:
                 held = self._hold(key)
@@ -351,11 +357,21 @@ class ChunkCache:
                     continue
                 try:
                     _into_page_cache(held.fd, held.size)
+                    if now - held.touched >= self.touch_interval:
+                        held.touched = now
+                        stale.append(key)
                 finally:
                     self._open_files.checkin(held)
             except (sqlite3.Error, OSError) as exc:
                 raise CacheError(f"chunk cache {self.root}: cannot read {key}: {exc}") from exc
             found.add(key)
+        if stale:
+            try:
+                with self._write() as db:
+                    db.executemany("UPDATE chunks SET atime = ? WHERE key = ? AND atime < ?",
+                                   [(now, key, now) for key in stale])
+            except sqlite3.Error as exc:
+                raise CacheError(f"chunk cache {self.root}: cannot refresh {len(stale)} chunks: {exc}") from exc
         return found
 
     def _hold(self, key: str) -> OpenChunk | None:

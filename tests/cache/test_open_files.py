@@ -172,3 +172,25 @@ def test_get_resident_leaves_the_lru_refresh_to_get(tmp_path: Path) -> None:
     assert cache.get_resident(key, 0, 10) is None  # due for an atime refresh: `get` does it
     assert cache.get(key, 0, 10) == data[:10]
     assert cache.get_resident(key, 0, 10) == data[:10]
+
+
+def test_warm_is_a_use_it_refreshes_the_lru_rows_due_so_reads_after_it_need_no_thread(tmp_path: Path) -> None:
+    """A sequential reader's chunks are warmed just before it reads them: warm() refreshes the
+    LRU rows that are due (one transaction), so the reads are served inline (`get_resident`)
+    instead of each going to `get` for its own write transaction."""
+    import sqlite3
+
+    cache = ChunkCache(tmp_path, 16 << 20, touch_interval=0.05)
+    keys = []
+    for i in range(3):
+        key, data = chunk(20 + i, 4096)
+        assert cache.put(key, data) and cache.get(key, 0, 1) == data[:1]
+        keys.append(key)
+    time.sleep(0.06)
+    assert all(cache.get_resident(k, 0, 10) is None for k in keys), "due a refresh: left to get"
+    before = time.time()
+    assert cache.warm(keys) == set(keys)
+    assert all(cache.get_resident(k, 0, 10) is not None for k in keys)
+    with sqlite3.connect(tmp_path / "index.db") as db:
+        atimes = [db.execute("SELECT atime FROM chunks WHERE key = ?", (k,)).fetchone()[0] for k in keys]
+    assert min(atimes) >= before, "warm() did not refresh the rows"
