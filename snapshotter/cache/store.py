@@ -16,15 +16,16 @@ Invariants (across processes; all index changes run in `BEGIN IMMEDIATE` transac
 - Hard cap: a put makes room (evicting least recently used, unpinned chunks) in the same
   transaction that commits it; when it cannot, it stores nothing and returns False. Committed
   bytes never exceed `max_bytes` (temp files of writes in progress are outside the count).
-- LRU is approximate: `get` refreshes a row's atime only when it is older than `touch_interval`.
+- LRU is approximate: `get` (and `warm`, for read-ahead) refreshes a row's atime only when it is
+  older than `touch_interval`.
 - Pins are rows (pid, process start time, key, count). Pins of processes that are gone (or whose
   pid was reused: the start time differs) are ignored and pruned.
 - Rows whose file vanished (a crash between unlink and commit, an operator's rm) are dropped on
   the next `get`/`put` of that key; `repair()` reconciles the whole tree (run it at daemon start).
 
-Every method but `get_resident` blocks (disk + SQLite); async callers run them in a worker
-thread (`get_resident` never waits: it serves a read of an open, page-cached chunk file inline,
-or says no). One ChunkCache
+Every method but `get_resident` and `read_resident_into` blocks (disk + SQLite); async callers
+run them in a worker thread (those two never wait: they serve a read of an open, page-cached
+chunk file inline, or say no). One ChunkCache
 may be used from several threads (a lock serializes its SQLite connection); after a fork the
 child reopens its own connection.
 """

@@ -83,6 +83,7 @@ async def _resolve_nydus(client: RegistryClient, ref: LayerRef, size: int, *,
     layer = bytes(await client.read_range(ref.image_ref, ref.layer_digest, 0, size))
     if hashlib.sha256(layer).hexdigest() != ref.layer_digest.partition(":")[2]:
         raise DigestMismatch(f"nydus bootstrap layer {ref.layer_digest}: content does not match its digest")
+
     def parse() -> LayerIndex:
         boot = bootstrap_from_layer(layer, max_bootstrap_bytes=max_bootstrap_bytes)
         return parse_bootstrap(boot, max_bootstrap_bytes=max_bootstrap_bytes)
