@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -255,12 +256,14 @@ def test_leader_cancelled_waiter_takes_over(blob: BuiltBlob) -> None:
             result.append(await reader.read(entry, 0, entry.size))
 
         async with trio.open_nursery() as nursery:
-            with trio.move_on_after(0.05):  # the leader gives up (a FUSE interrupt)
+            with trio.CancelScope() as leader:
                 async with trio.open_nursery() as inner:
                     inner.start_soon(reader.read, entry, 0, entry.size)
-                    await trio.sleep(0.01)
+                    await trio.testing.wait_all_tasks_blocked()  # its fetch is in flight
                     nursery.start_soon(waiter)
-                    await trio.sleep_forever()
+                    await trio.testing.wait_all_tasks_blocked()  # the waiter waits on that fetch
+                    assert len(source.calls) == 1
+                    leader.cancel()  # the leader gives up (a FUSE interrupt)
         return result[0] if result else None
 
     assert trio.run(main) == blob.contents["small"]
