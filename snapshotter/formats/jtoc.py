@@ -189,7 +189,7 @@ def _plain_str(raw: Mapping[str, Any], key: str, what: object) -> str:
     v = raw.get(key, "")
     if type(v) is str and "\x00" not in v:
         return v
-    return str_field(raw, key, what)  # type: ignore[arg-type]
+    return str_field(raw, key, what)
 
 
 def _digest(raw: Mapping[str, Any], key: str, what: object) -> str | None:
@@ -197,7 +197,7 @@ def _digest(raw: Mapping[str, Any], key: str, what: object) -> str | None:
     v = raw.get(key)
     if type(v) is str and DIGEST_RE.fullmatch(v) is not None:
         return v
-    return digest_field(raw, key, what)  # type: ignore[arg-type]
+    return digest_field(raw, key, what)
 
 
 def _name(raw: str) -> str:
@@ -208,7 +208,7 @@ def _name(raw: str) -> str:
     return normalize_name(raw)
 
 
-def _chunk(raw: Mapping[str, Any], what: str, dialect: JtocDialect) -> RawChunk:
+def _chunk(raw: Mapping[str, Any], what: object, dialect: JtocDialect) -> RawChunk:
     get = raw.get
     zeros = False
     if dialect.chunk_types:
@@ -232,7 +232,7 @@ def _chunk(raw: Mapping[str, Any], what: str, dialect: JtocDialect) -> RawChunk:
     )
 
 
-def _pending(raw: Mapping[str, Any], type_: EntryType, name: str, what: Any) -> PendingEntry:
+def _pending(raw: Mapping[str, Any], type_: EntryType, name: str, what: object) -> PendingEntry:
     link = _plain_str(raw, "linkName", what)
     if type_ is EntryType.HARDLINK:
         link = normalize_name(link, allow_root=False)
@@ -287,7 +287,7 @@ def read_entries(raws: list[Any], what: str, dialect: JtocDialect) -> TocEntries
     last_reg: PendingEntry | None = None
     for i in range(len(raws)):
         raw, raws[i] = raws[i], None
-        ewhat: Any = _At(what, i)
+        ewhat: object = _At(what, i)
         if not isinstance(raw, dict):
             raise FormatError(f"{ewhat}: not an object")
         kind = _plain_str(raw, "type", ewhat)

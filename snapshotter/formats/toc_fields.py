@@ -1,5 +1,6 @@
 """Typed field readers for JSON TOC entries (eStargz's JTOC, and zstd:chunked's, which extends it).
-Pure. Each raises FormatError naming `what` (the layer and entry) and the field.
+Pure. Each raises FormatError naming `what` (the layer and entry, as anything that formats to
+that text) and the field.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ _TIME_RE = re.compile(
 )
 
 
-def int_field(raw: Mapping[str, Any], key: str, what: str, *, hi: int = MAX_INT) -> int:
+def int_field(raw: Mapping[str, Any], key: str, what: object, *, hi: int = MAX_INT) -> int:
     """A non-negative integer field (absent or null: 0) no larger than `hi`."""
     v = raw.get(key, 0)
     if v is None:
@@ -33,7 +34,7 @@ def int_field(raw: Mapping[str, Any], key: str, what: str, *, hi: int = MAX_INT)
     return v
 
 
-def str_field(raw: Mapping[str, Any], key: str, what: str) -> str:
+def str_field(raw: Mapping[str, Any], key: str, what: object) -> str:
     """A string field without NUL bytes (absent or null: "")."""
     v = raw.get(key, "")
     if v is None:
@@ -45,7 +46,7 @@ def str_field(raw: Mapping[str, Any], key: str, what: str) -> str:
     return v
 
 
-def digest_field(raw: Mapping[str, Any], key: str, what: str) -> str | None:
+def digest_field(raw: Mapping[str, Any], key: str, what: object) -> str | None:
     """A "sha256:<64 lowercase hex>" field, or None when absent/empty."""
     v = str_field(raw, key, what)
     if not v:
@@ -74,7 +75,7 @@ def rfc3339_ns(text: str) -> int:
     return secs * 1_000_000_000 + frac
 
 
-def mtime_ns_field(raw: Mapping[str, Any], what: str) -> int:
+def mtime_ns_field(raw: Mapping[str, Any], what: object) -> int:
     """"modtime" as RFC 3339 (eStargz: whole seconds; containers/storage: RFC3339Nano) -> ns since
     the epoch; absent: 0."""
     text = str_field(raw, "modtime", what)
@@ -86,7 +87,7 @@ def mtime_ns_field(raw: Mapping[str, Any], what: str) -> int:
         raise FormatError(f"{what}: modtime {text!r} {exc}") from None
 
 
-def xattrs_field(raw: Mapping[str, Any], what: str) -> Mapping[str, bytes]:
+def xattrs_field(raw: Mapping[str, Any], what: object) -> Mapping[str, bytes]:
     """"xattrs": name -> base64 value (Go's []byte in JSON)."""
     v = raw.get("xattrs")
     if v is None or v == {}:
