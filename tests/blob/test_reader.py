@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import random
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -40,8 +39,8 @@ def make_files(seed: int = 1) -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def blob() -> BuiltBlob:
-    d = Path(tempfile.mkdtemp(prefix="blobtest-"))
+def blob(tmp_path_factory: pytest.TempPathFactory) -> BuiltBlob:
+    d = tmp_path_factory.mktemp("blobtest")  # pytest keeps the last few runs' dirs, not every one
     return build_blob(d / "layer.blob", make_files(), chunk_size=CHUNK)
 
 
