@@ -39,7 +39,7 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Container, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -283,10 +283,8 @@ class ChunkCache:
                 self._open_files.drop(key)
                 return None
             now = time.time()
-            if now - held.touched >= self.touch_interval:
-                held.touched = now
-                with self._write() as db:
-                    db.execute("UPDATE chunks SET atime = ? WHERE key = ? AND atime < ?", (now, key, now))
+            if self._refresh_due(held, now):
+                self._refresh_atimes([key], now)
             return data
         except (sqlite3.Error, OSError) as exc:
             raise CacheError(f"chunk cache {self.root}: cannot read {key}: {exc}") from exc
@@ -358,8 +356,7 @@ class ChunkCache:
                     continue
                 try:
                     _into_page_cache(held.fd, held.size)
-                    if now - held.touched >= self.touch_interval:
-                        held.touched = now
+                    if self._refresh_due(held, now):
                         stale.append(key)
                 finally:
                     self._open_files.checkin(held)
@@ -368,12 +365,23 @@ class ChunkCache:
             found.add(key)
         if stale:
             try:
-                with self._write() as db:
-                    db.executemany("UPDATE chunks SET atime = ? WHERE key = ? AND atime < ?",
-                                   [(now, key, now) for key in stale])
+                self._refresh_atimes(stale, now)
             except sqlite3.Error as exc:
                 raise CacheError(f"chunk cache {self.root}: cannot refresh {len(stale)} chunks: {exc}") from exc
         return found
+
+    def _refresh_due(self, held: OpenChunk, now: float) -> bool:
+        """Whether the LRU row of `held`'s chunk is due a refresh (older than touch_interval);
+        if so it counts as refreshed from `now` on: the caller writes the row (_refresh_atimes)."""
+        if now - held.touched < self.touch_interval:
+            return False
+        held.touched = now
+        return True
+
+    def _refresh_atimes(self, keys: Sequence[str], now: float) -> None:
+        """Move the rows of `keys` up the LRU to `now` (never back), in one transaction."""
+        with self._write() as db:
+            db.executemany("UPDATE chunks SET atime = ? WHERE key = ? AND atime < ?", [(now, k, now) for k in keys])
 
     def _hold(self, key: str) -> OpenChunk | None:
         """The chunk's file checked out of the open-file list, opened first if it is not held;

@@ -54,7 +54,7 @@ class ResolveLoop:
             try:
                 self._ensure_started()
                 warm_up()
-            except Exception:  # noqa: BLE001 - the first run() starts it again and raises
+            except Exception:  # the first run() starts it again and raises
                 pass
 
         threading.Thread(target=start, name="resolve-loop-start", daemon=True).start()
