@@ -8,7 +8,9 @@ record bytes. All integers are little-endian.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from snapshotter.formats.index import Compression
 
@@ -254,13 +256,17 @@ def inode_format_of(b: bytes) -> int:
 
 def unpack_inode(b: bytes) -> Inode:
     """Parse an inode from `b` (>= 32 bytes; >= 64 if the format bit says extended)."""
-    fmt = inode_format_of(b)
-    extended = bool(fmt & 1)
+    return unpack_inode_at(b, 0)
+
+
+def unpack_inode_at(b: bytes, off: int) -> Inode:
+    """Parse the inode at `b[off:]` without copying it out (struct.error when `b` ends first)."""
+    fmt = b[off] | b[off + 1] << 8
     layout = (fmt >> 1) & 0x7
-    if extended:
-        (_f, icount, mode, _r, size, i_u, ino, uid, gid, mtime, nsec, nlink, _res) = _EXTENDED.unpack(b[:64])
+    if fmt & 1:
+        (_f, icount, mode, _r, size, i_u, ino, uid, gid, mtime, nsec, nlink, _res) = _EXTENDED.unpack_from(b, off)
         return Inode(True, layout, icount, mode, nlink, size, i_u, ino, uid, gid, mtime, nsec)
-    (_f, icount, mode, nlink, size, rel_mtime, i_u, ino, uid, gid, _res2) = _COMPACT.unpack(b[:32])
+    (_f, icount, mode, nlink, size, rel_mtime, i_u, ino, uid, gid, _res2) = _COMPACT.unpack_from(b, off)
     return Inode(False, layout, icount, mode, nlink, size, i_u, ino, uid, gid, rel_mtime, 0)
 
 
@@ -281,6 +287,11 @@ def unpack_chunk_index(b: bytes, off: int) -> tuple[int, int, int]:
     """(blob_addr_lo, blob_addr_hi, blkaddr)."""
     lo, hi, blk = _CHUNK_INDEX.unpack_from(b, off)
     return lo, hi, blk
+
+
+def iter_chunk_indexes(b: bytes) -> Iterator[tuple[int, int, int]]:
+    """(blob_addr_lo, blob_addr_hi, blkaddr) of each chunk index in `b` (a multiple of 8 bytes)."""
+    return _CHUNK_INDEX.iter_unpack(b)
 
 
 def pack_chunk_index(blob_index: int, ci_index: int, blkaddr: int) -> bytes:
@@ -308,6 +319,12 @@ class ChunkInfo:
 def unpack_chunk_info(b: bytes, off: int) -> ChunkInfo:
     (digest, blob_index, flags, csize, usize, coff, uoff, foff, index, crc) = _CHUNK_INFO.unpack_from(b, off)
     return ChunkInfo(digest, blob_index, flags, csize, usize, coff, uoff, foff, index, crc)
+
+
+def chunk_info_fields(b: bytes, off: int) -> tuple[Any, ...]:
+    """The fields of the chunk table record at `b[off:]`, in ChunkInfo order, as a plain tuple
+    (what a parse that checks and drops each record needs, without making a ChunkInfo)."""
+    return _CHUNK_INFO.unpack_from(b, off)
 
 
 def pack_chunk_info(c: ChunkInfo) -> bytes:
