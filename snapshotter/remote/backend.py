@@ -48,13 +48,16 @@ from snapshotter.remote.labels import (
 )
 from snapshotter.remote.resolve_ahead import ResolveAhead
 from snapshotter.remote.resolve_loop import ResolveLoop
-from snapshotter.remote.resolver import NotLazy, ResolvedLayer, resolve_layer
+from snapshotter.remote.resolver import NYDUS_BLOB_FORMAT, NotLazy, ResolvedLayer, resolve_layer
 from snapshotter.remote.settings import fetch_config_from
 from snapshotter.remote.store import LayerMeta, LayerStore, blob_digests
 from snapshotter.snapshots.model import Info, Mount, Snapshot, Usage
 from snapshotter.snapshots.service import Snapshotter
 
 MOUNT_AHEAD_IDLE = 60.0  # seconds a mount started on pull waits for a container before it is stopped
+# Largest layer fetched whole when resolved ahead as a guessed Nydus bootstrap (a bootstrap of
+# 11,000 files is 0.7 MB; one this big describes about ten million). Larger ones wait for their Prepare.
+AHEAD_MAX_BOOTSTRAP_BYTES = 64 << 20
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +103,14 @@ def fallback_reason(exc: BaseException) -> str:
     return "error"
 
 
+def _meta_fits(meta: LayerMeta, ref: LayerRef) -> bool:
+    """Whether a stored index answers `ref`'s Prepare: the TOC digest its label names (if any), and
+    the Nydus role its markers give it (an index resolved ahead had to guess that role)."""
+    if ref.toc_digest is not None and meta.toc_digest not in (None, ref.toc_digest):
+        return False
+    return (meta.format == "nydus") == ref.nydus_bootstrap and (meta.format == NYDUS_BLOB_FORMAT) == ref.nydus_blob
+
+
 def _registry_of(image_ref: str) -> str:
     try:
         return parse_reference(image_ref).registry
@@ -141,19 +152,22 @@ class RemoteBackend:
 
     def _resolve_ahead(self, ref: LayerRef) -> tuple[str, int, int]:
         self.claims.resolved_ahead(ref.layer_digest)
-        return self._resolve_now(ref)
+        # A guessed Nydus bootstrap is fetched whole: a wrong guess must not cost a big layer.
+        return self._resolve_now(ref, max_bootstrap_bytes=min(AHEAD_MAX_BOOTSTRAP_BYTES,
+                                                              self.config.limits.max_bootstrap_bytes))
 
-    def _resolve_now(self, ref: LayerRef) -> tuple[str, int, int]:
+    def _resolve_now(self, ref: LayerRef, *, max_bootstrap_bytes: int | None = None) -> tuple[str, int, int]:
         meta = self.layers.meta(ref.layer_digest)
-        if meta is not None and (ref.toc_digest is None or meta.toc_digest in (None, ref.toc_digest)):
+        if meta is not None and _meta_fits(meta, ref):
             return meta.format, 0, 0
+        bootstrap_cap = self.config.limits.max_bootstrap_bytes if max_bootstrap_bytes is None else max_bootstrap_bytes
 
         async def job(client: RegistryClient) -> tuple[ResolvedLayer, int]:
             with counting_bytes() as fetched:
                 try:
                     with trio.fail_after(self.config.resolve_timeout):
                         resolved = await resolve_layer(client, ref, max_toc_bytes=self.config.limits.max_toc_bytes,
-                                                       max_bootstrap_bytes=self.config.limits.max_bootstrap_bytes)
+                                                       max_bootstrap_bytes=bootstrap_cap)
                 finally:
                     metrics.RESOLVE_BYTES.labels(_registry_of(ref.image_ref)).inc(fetched[0])
             return resolved, fetched[0]

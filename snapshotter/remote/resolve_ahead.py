@@ -7,9 +7,11 @@ the first Prepare arrives, the others can be resolved at the same time, and thei
 find the index ready (stargz-snapshotter pre-resolves the same way).
 
 A layer resolved ahead is resolved without its own labels: no expected TOC digest (its Prepare
-checks the stored digest against its label, and resolves again on a mismatch) and no Nydus
-markers (Nydus layers are not lazily readable without them; resolving ahead skips them). A failure
-ahead is only logged: the layer's own Prepare resolves it (or falls back) as if nothing happened.
+checks the stored digest against its label, and resolves again on a mismatch). Nydus markers are
+guessed: above a Nydus blob layer, the image's last layer is its bootstrap and the others are
+blobs (the layout nydusify and `snapshotter convert` write); the layer's own Prepare uses what was
+resolved ahead only when its markers say the same. A failure ahead is only logged: the layer's own
+Prepare resolves it (or falls back) as if nothing happened.
 """
 
 from __future__ import annotations
@@ -43,9 +45,10 @@ class ResolveAhead:
     def start(self, ref: LayerRef) -> list[str]:
         """Resolve in the background the layers `ref.image_layers` lists above `ref`'s own that are
         neither stored nor being resolved; returns their digests."""
-        if ref.nydus_blob or ref.nydus_bootstrap:
-            return []
+        if ref.nydus_bootstrap:
+            return []  # a Nydus image's top layer: nothing above it
         later = [d for d in ref.image_layers if d != ref.layer_digest][:MAX_AHEAD]
+        top = ref.image_layers[-1] if ref.image_layers else None
         started: list[str] = []
         with self._lock:
             if self._closed:
@@ -55,6 +58,9 @@ class ResolveAhead:
                     continue
                 ahead = dataclasses.replace(ref, layer_digest=digest, image_layers=tuple(later[i:]),
                                             toc_digest=None)
+                if ref.nydus_blob:
+                    bootstrap = digest == top
+                    ahead = dataclasses.replace(ahead, nydus_blob=not bootstrap, nydus_bootstrap=bootstrap)
                 future = self._pool.submit(self._one, ahead)
                 self._running[digest] = future
                 future.add_done_callback(self._forget)

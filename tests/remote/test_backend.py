@@ -16,6 +16,8 @@ from snapshotter import metrics
 from snapshotter.config import Config
 from snapshotter.errors import AlreadyExists
 from snapshotter.formats.estargz import write_estargz
+from snapshotter.formats.rafs_writer import write_nydus
+from snapshotter.remote import backend as backend_module
 from snapshotter.remote.backend import RemoteBackend, RemoteLayer
 from snapshotter.remote.labels import REMOTE_LABEL, TARGET_SNAPSHOT_REF
 from snapshotter.snapshots.model import Kind
@@ -224,6 +226,100 @@ def test_a_layer_failing_ahead_falls_back_once_on_its_own_prepare(registry: Regi
     assert mounts and be.stat("default/1/extract-2").kind is Kind.ACTIVE
     (line,) = _fallback_lines(caplog)
     assert plain in line and "reason=not_lazy" in line
+
+
+def _nydus_layers(salt: bytes) -> list[bytes]:
+    """A two-layer Nydus image as the registry holds it: two blob layers, then the bootstrap layer
+    (a gzip tar of image/image.boot) last. `salt` makes the layers (and digests) the test's own."""
+    blobs: list[io.BytesIO] = []
+
+    def blob_out(_i: int) -> io.BytesIO:
+        blobs.append(io.BytesIO())
+        return blobs[-1]
+
+    result = write_nydus([io.BytesIO(_tar({"a": b"a" * 5000 + salt})), io.BytesIO(_tar({"b": b"b" * 7000 + salt}))],
+                         blob_out,
+                         chunk_size=4096)
+    boot = io.BytesIO()
+    with tarfile.open(fileobj=boot, mode="w") as tf:
+        info = tarfile.TarInfo("image/image.boot")
+        info.size = len(result.bootstrap)
+        tf.addfile(info, io.BytesIO(result.bootstrap))
+    return [b.getvalue() for b in blobs] + [gzip.compress(boot.getvalue())]
+
+
+def _gets_of(registry: RegistryProcess, digest: str) -> int:
+    """GETs of blob `digest` in the registry's log, once the log has settled (it logs a request
+    after answering it)."""
+    deadline = time.monotonic() + 3
+    size = -1
+    while time.monotonic() < deadline and size != (size := registry.log_path.stat().st_size):
+        time.sleep(0.3)
+    return sum(1 for line in registry.log_path.read_text().splitlines()
+               if "method=GET" in line and f"/blobs/{digest}" in line)
+
+
+NYDUS_BLOB_LABEL = {"containerd.io/snapshot/nydus-blob": "true"}
+NYDUS_BOOT_LABEL = {"containerd.io/snapshot/nydus-bootstrap": "true"}
+
+
+def test_a_nydus_bootstrap_is_resolved_ahead_and_used_only_as_a_bootstrap(
+        registry: RegistryProcess, backend: tuple[RemoteBackend, FakeMounter],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The first blob layer's Prepare lists the image's layers: the last one (a Nydus image's
+    bootstrap) is fetched and parsed meanwhile, the one between stored as a blob, and their own
+    Prepares fetch nothing. A Prepare of the same layer without the bootstrap marker does not
+    take the guess: it resolves the layer as what its labels say it is (here: not lazy)."""
+    be, _ = backend
+    caplog.set_level(logging.INFO)
+    image = push_image(registry.url, "lazy/nydus-ahead", "v1", _nydus_layers(b"ahead"))
+    b0, b1, boot = image.layers
+    with pytest.raises(AlreadyExists):
+        be.prepare("default/1/extract-1", "", _labels(image.ref, b0, "sha256:n1", **NYDUS_BLOB_LABEL, **{
+            "containerd.io/snapshot/cri.image-layers": f"{b0},{b1},{boot}"}))
+    _wait_stored(be, [b1, boot])
+    meta_b1, meta_boot = be.layers.meta(b1), be.layers.meta(boot)
+    assert meta_b1 is not None and meta_b1.format == "nydus-blob"
+    assert meta_boot is not None and meta_boot.format == "nydus"
+    assert _gets_of(registry, boot) == 1
+    with pytest.raises(AlreadyExists):
+        be.prepare("default/1/extract-2", "sha256:n1", _labels(image.ref, b1, "sha256:n2", **NYDUS_BLOB_LABEL, **{
+            "containerd.io/snapshot/cri.image-layers": f"{b1},{boot}"}))
+    with pytest.raises(AlreadyExists):
+        be.prepare("default/1/extract-3", "sha256:n2", _labels(image.ref, boot, "sha256:n3", **NYDUS_BOOT_LABEL, **{
+            "containerd.io/snapshot/cri.image-layers": boot}))
+    assert be.stat("sha256:n3").labels[REMOTE_LABEL] == "nydus"
+    assert be.layers.load(boot).get("b") is not None
+    assert _gets_of(registry, boot) == 1, "the bootstrap's own Prepare fetched it again"
+    # The same layer, labelled as an ordinary one: the stored Nydus index is not its answer.
+    mounts = be.prepare("default/2/extract-1", "", _labels(image.ref, boot, "sha256:plain1"))
+    assert mounts and be.stat("default/2/extract-1").kind is Kind.ACTIVE
+    (line,) = _fallback_lines(caplog)
+    assert boot in line and "reason=not_lazy" in line, line
+
+
+def test_a_guessed_bootstrap_over_the_ahead_cap_waits_for_its_prepare(
+        registry: RegistryProcess, backend: tuple[RemoteBackend, FakeMounter],
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A guess is fetched whole only while it is small: over AHEAD_MAX_BOOTSTRAP_BYTES nothing of
+    it is downloaded ahead (it might be a big blob), and its own Prepare resolves it as usual."""
+    be, _ = backend
+    caplog.set_level(logging.INFO)
+    monkeypatch.setattr(backend_module, "AHEAD_MAX_BOOTSTRAP_BYTES", 100)
+    image = push_image(registry.url, "lazy/nydus-cap", "v1", _nydus_layers(b"cap")[1:])
+    b0, boot = image.layers
+    with pytest.raises(AlreadyExists):
+        be.prepare("default/1/extract-1", "", _labels(image.ref, b0, "sha256:c1", **NYDUS_BLOB_LABEL, **{
+            "containerd.io/snapshot/cri.image-layers": f"{b0},{boot}"}))
+    deadline = time.monotonic() + 10
+    while not any("event=resolve_ahead_failed" in r.getMessage() and boot in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < deadline, "the resolve ahead of the bootstrap did not end"
+        time.sleep(0.02)
+    assert _gets_of(registry, boot) == 0 and be.layers.meta(boot) is None
+    with pytest.raises(AlreadyExists):
+        be.prepare("default/1/extract-2", "sha256:c1", _labels(image.ref, boot, "sha256:c2", **NYDUS_BOOT_LABEL, **{
+            "containerd.io/snapshot/cri.image-layers": boot}))
+    assert be.stat("sha256:c2").labels[REMOTE_LABEL] == "nydus" and _fallback_lines(caplog) == []
 
 
 def _fallback_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
