@@ -23,15 +23,15 @@ Controls (all thread-safe):
 
 from __future__ import annotations
 
-import http.client
 import socket
-import struct
 import threading
 import time
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import urlsplit
+
+from tests.httpproxy import QuietServer, forward, reset_connection, send_forwarded, send_simple
 
 ACTIONS = ("status", "delay", "hang", "reset", "short", "flip", "range")
 
@@ -62,14 +62,6 @@ class Seen:
     user_agent: str
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        pass  # clients hanging up and resets we injected are the point of this server
-
-
 class FaultProxy:
     """See the module docstring. `upstream` ("HOST:PORT") may be set after construction."""
 
@@ -78,7 +70,7 @@ class FaultProxy:
         self.requests: list[Seen] = []
         self._rules: list[Rule] = []
         self._lock = threading.Lock()
-        self._httpd: _Server | None = None
+        self._httpd: QuietServer | None = None
         self._thread: threading.Thread | None = None
         self._conns: set[socket.socket] = set()
         self.port = 0
@@ -97,7 +89,7 @@ class FaultProxy:
         deadline = time.monotonic() + 10
         while True:
             try:
-                self._httpd = _Server(("127.0.0.1", self.port), self._handler())
+                self._httpd = QuietServer(("127.0.0.1", self.port), self._handler())
                 break
             except OSError:
                 if time.monotonic() > deadline:
@@ -182,7 +174,7 @@ class FaultProxy:
             def do_GET(self) -> None:
                 if proxy._httpd is None:
                     self.close_connection = True
-                    return _reset(self)
+                    return reset_connection(self)
                 proxy._handle(self)
 
             do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = do_GET
@@ -201,77 +193,23 @@ class FaultProxy:
         action = rule.action if rule else ""
         if rule is not None and rule.action == "status":
             self._record(h, rule.status, action)
-            return _send(h, rule.status, b'{"errors":[{"code":"INJECTED","message":"fault proxy"}]}',
-                         {"Content-Type": "application/json"})
+            return send_simple(h, rule.status, b'{"errors":[{"code":"INJECTED","message":"fault proxy"}]}',
+                               {"Content-Type": "application/json"})
         if rule is not None and rule.action == "hang":
             time.sleep(rule.seconds)
             self._record(h, 0, action)
-            return _reset(h)
+            return reset_connection(h)
         if rule is not None and rule.action == "delay":
             time.sleep(rule.seconds)
         try:
-            status, headers, data = self._forward(h, body)
+            status, headers, data = forward(self.upstream, h, body)
         except OSError:
             self._record(h, 502, action)
-            return _send(h, 502, b"upstream unreachable")
+            return send_simple(h, 502, b"upstream unreachable")
         self._record(h, status, action)
-        if rule is not None and rule.action == "range" and "content-range" in headers:
-            unit, _, rest = headers["content-range"].partition(" ")
-            span, _, total = rest.partition("/")
-            a, _, b = span.partition("-")
-            headers["content-range"] = f"{unit} {int(a) + rule.shift}-{int(b) + rule.shift}/{total}"
-        if rule is not None and rule.action == "short":
-            data = data[:max(len(data) - rule.cut, 0)]
-        if rule is not None and rule.action == "flip" and data:
+        if action == "flip" and data:
             i = len(data) // 2
             data = data[:i] + bytes([data[i] ^ 0x10]) + data[i + 1:]
-        head_length = headers.pop("x-upstream-content-length", "0")
-        h.send_response(status)
-        for k, v in headers.items():
-            h.send_header(k, v)
-        if h.command == "HEAD":
-            h.send_header("Content-Length", head_length)
-            h.end_headers()
-            return
-        h.send_header("Content-Length", str(len(data)))
-        h.end_headers()
-        if rule is not None and rule.action == "reset":
-            h.wfile.write(data[:len(data) // 2])
-            return _reset(h)
-        h.wfile.write(data)
-
-    def _forward(self, h: BaseHTTPRequestHandler, body: bytes) -> tuple[int, dict[str, str], bytes]:
-        conn = http.client.HTTPConnection(self.upstream, timeout=30)
-        try:
-            headers = {k: v for k, v in h.headers.items() if k.lower() not in ("connection", "keep-alive")}
-            conn.request(h.command, h.path, body=body or None, headers=headers)
-            resp = conn.getresponse()
-            data = resp.read()
-            out = {k.lower(): v for k, v in resp.getheaders()
-                   if k.lower() not in ("content-length", "transfer-encoding", "connection", "keep-alive")}
-            if h.command == "HEAD":
-                out["x-upstream-content-length"] = resp.getheader("Content-Length") or "0"
-            return resp.status, out, data
-        finally:
-            conn.close()
-
-
-def _send(h: BaseHTTPRequestHandler, status: int, body: bytes = b"", headers: dict[str, str] | None = None) -> None:
-    h.send_response(status)
-    for k, v in (headers or {}).items():
-        h.send_header(k, v)
-    h.send_header("Content-Length", str(len(body)))
-    h.end_headers()
-    if h.command != "HEAD":
-        h.wfile.write(body)
-
-
-def _reset(h: BaseHTTPRequestHandler) -> None:
-    """Abort the connection with a TCP RST."""
-    try:
-        h.wfile.flush()
-        h.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    except OSError:
-        pass
-    h.close_connection = True
-    h.connection.close()
+        shift, cut = (rule.shift, rule.cut) if rule is not None else (0, 0)
+        send_forwarded(h, status, headers, data, range_shift=shift if action == "range" else 0,
+                       cut=cut if action == "short" else 0, reset_mid_body=action == "reset")

@@ -15,18 +15,17 @@ Stop with `stop()`; use as context managers.
 from __future__ import annotations
 
 import base64
-import http.client
 import json
 import re
 import secrets
-import socket
-import struct
 import threading
 import time
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
+
+from tests.httpproxy import QuietServer, forward, send_forwarded, send_simple
 
 
 @dataclass
@@ -58,24 +57,12 @@ class Fault:
     seconds: float = 0.0
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        import sys
-
-        # Clients hanging up (TLS probes, resets we injected) are expected here.
-        if not isinstance(sys.exc_info()[1], ConnectionError | TimeoutError):
-            super().handle_error(request, client_address)
-
-
 class _BaseServer:
     def __init__(self) -> None:
         self.requests: list[Recorded] = []
         self._lock = threading.Lock()
         handler = self._make_handler()
-        self._httpd = _Server(("127.0.0.1", 0), handler)
+        self._httpd = QuietServer(("127.0.0.1", 0), handler)
         self.port = int(self._httpd.server_address[1])
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
                                         daemon=True)
@@ -126,25 +113,6 @@ class _BaseServer:
             do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = do_GET
 
         return Handler
-
-
-def send_simple(h: BaseHTTPRequestHandler, status: int, body: bytes = b"",
-                headers: dict[str, str] | None = None) -> None:
-    h.send_response(status)
-    for k, v in (headers or {}).items():
-        h.send_header(k, v)
-    h.send_header("Content-Length", str(len(body)))
-    h.end_headers()
-    if h.command != "HEAD":
-        h.wfile.write(body)
-
-
-def _reset(h: BaseHTTPRequestHandler) -> None:
-    """Abort the connection with a TCP RST."""
-    h.wfile.flush()
-    h.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    h.close_connection = True
-    h.connection.close()
 
 
 class RegistryProxy(_BaseServer):
@@ -219,53 +187,19 @@ class RegistryProxy(_BaseServer):
             del h.headers["Range"]
         status, headers, rbody = self._forward(h, body)
         rec.status = status
-        if fault is not None and fault.action == "bad_content_range" and "content-range" in headers:
-            cr = re.match(r"bytes (\d+)-(\d+)/(\d+)", headers["content-range"])
-            assert cr
-            a, b, total = (int(x) for x in cr.groups())
-            headers["content-range"] = f"bytes {a + fault.shift}-{b + fault.shift}/{total}"
-        if fault is not None and fault.action == "short":
-            rbody = rbody[:max(len(rbody) - fault.cut, 0)]
-        head_length = headers.pop("x-upstream-content-length", "0")
-        h.send_response(status)
-        for k, v in headers.items():
-            h.send_header(k, v)
-        if h.command == "HEAD":
-            h.send_header("Content-Length", head_length)
-            h.end_headers()
-            return
-        h.send_header("Content-Length", str(len(rbody)))
-        h.end_headers()
-        if fault is not None and fault.action == "reset":
-            h.wfile.write(rbody[:len(rbody) // 2])
-            return _reset(h)
-        h.wfile.write(rbody)
+        action, shift, cut = (fault.action, fault.shift, fault.cut) if fault is not None else ("", 0, 0)
+        send_forwarded(h, status, headers, rbody, range_shift=shift if action == "bad_content_range" else 0,
+                       cut=cut if action == "short" else 0, reset_mid_body=action == "reset")
 
     def _forward(self, h: BaseHTTPRequestHandler, body: bytes) -> tuple[int, dict[str, str], bytes]:
         with self._lock:
             self.inflight += 1
             self.max_inflight = max(self.max_inflight, self.inflight)
         try:
-            return self._forward_once(h, body)
+            return forward(self.upstream, h, body, drop=("authorization",))  # our tokens are not upstream's
         finally:
             with self._lock:
                 self.inflight -= 1
-
-    def _forward_once(self, h: BaseHTTPRequestHandler, body: bytes) -> tuple[int, dict[str, str], bytes]:
-        conn = http.client.HTTPConnection(self.upstream, timeout=30)
-        try:
-            headers = {k: v for k, v in h.headers.items()
-                       if k.lower() not in ("connection", "authorization", "keep-alive")}
-            conn.request(h.command, h.path, body=body or None, headers=headers)
-            resp = conn.getresponse()
-            data = resp.read()
-            out = {k.lower(): v for k, v in resp.getheaders()
-                   if k.lower() not in ("content-length", "transfer-encoding", "connection", "keep-alive")}
-            if h.command == "HEAD":
-                out["x-upstream-content-length"] = resp.getheader("Content-Length") or "0"
-            return resp.status, out, data
-        finally:
-            conn.close()
 
     def _authorized(self, h: BaseHTTPRequestHandler) -> bool:
         auth = h.headers.get("Authorization", "")
