@@ -28,6 +28,18 @@ from snapshotter.remote.labels import LayerRef
 log = logging.getLogger(__name__)
 
 MAX_AHEAD = 32  # layers resolved ahead per Prepare; longer lists are rare and cut off here
+# containerd's limit on a label (key + value, labels.Validate). The clients that write the layers
+# label stop adding digests when the next would pass it, so a long list may lack the image's top.
+LABEL_MAX = 4096
+_LAYERS_KEY_MAX = 43  # len("containerd.io/snapshot/remote/stargz.layers"), the longer of the two keys
+_DIGEST_ITEM = 72  # ",sha256:" + 64 hex digits
+
+
+def may_be_cut(layers: tuple[str, ...]) -> bool:
+    """Whether a layers label listing `layers` may have been cut short by the label size limit
+    (then its last digest need not be the image's top layer)."""
+    value = _DIGEST_ITEM * len(layers) - 1
+    return _LAYERS_KEY_MAX + value + _DIGEST_ITEM > LABEL_MAX
 
 
 class ResolveAhead:
@@ -47,20 +59,25 @@ class ResolveAhead:
         neither stored nor being resolved; returns their digests."""
         if ref.nydus_bootstrap:
             return []  # a Nydus image's top layer: nothing above it
-        later = [d for d in ref.image_layers if d != ref.layer_digest][:MAX_AHEAD]
-        top = ref.image_layers[-1] if ref.image_layers else None
+        layers = ref.image_layers
+        later = [d for d in layers if d != ref.layer_digest]
+        # Above a Nydus blob, the list's last layer is the bootstrap: when the list is whole, it
+        # goes first (it is the one that takes time: fetched whole and parsed).
+        bootstrap = later[-1] if ref.nydus_blob and later and not may_be_cut(layers) else None
+        if bootstrap is not None:
+            later = [bootstrap, *later[:-1]]
         started: list[str] = []
         with self._lock:
             if self._closed:
                 return []
-            for i, digest in enumerate(later):
+            for digest in later[:MAX_AHEAD]:
                 if digest in self._running or self._is_known(digest):
                     continue
-                ahead = dataclasses.replace(ref, layer_digest=digest, image_layers=tuple(later[i:]),
+                ahead = dataclasses.replace(ref, layer_digest=digest, image_layers=layers[layers.index(digest):],
                                             toc_digest=None)
                 if ref.nydus_blob:
-                    bootstrap = digest == top
-                    ahead = dataclasses.replace(ahead, nydus_blob=not bootstrap, nydus_bootstrap=bootstrap)
+                    is_boot = digest == bootstrap
+                    ahead = dataclasses.replace(ahead, nydus_blob=not is_boot, nydus_bootstrap=is_boot)
                 future = self._pool.submit(self._one, ahead)
                 self._running[digest] = future
                 future.add_done_callback(self._forget)
