@@ -484,10 +484,13 @@ class Config:
 class Report:
     runs: list[RunResult] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # The machine and checkout when the run began (the daemon is restarted for each run, so it
+    # runs what the checkout holds at that moment); None: read them when the report is written.
+    machine: dict[str, str] | None = None
 
 
 def run_bench(cfg: Config) -> Report:
-    report = Report()
+    report = Report(machine=machine_info())
     cfg.out.mkdir(parents=True, exist_ok=True)
     report.notes.append(_load("at the start"))
     cache = ImageCache(cfg.cache, log=lambda s: print(s, flush=True))
@@ -523,6 +526,11 @@ def run_bench(cfg: Config) -> Report:
                             write_outputs(cfg, report)  # keep partial results on disk
         cold_reset(lab)
     report.notes.append(_load("at the end"))
+    assert report.machine is not None
+    now = _revision()
+    if now != report.machine["revision"]:
+        report.notes.append(f"the checkout changed during the run: snapshotter at {report.machine['revision']} "
+                            f"when it began, {now} when it ended")
     write_outputs(cfg, report)
     return report
 
@@ -663,7 +671,7 @@ def _span(med: float, lo: float, hi: float, n: int) -> str:
 
 
 def markdown(cfg: Config, report: Report, cells: Sequence[CellSummary]) -> str:
-    info = machine_info()
+    info = report.machine or machine_info()
     lines = [
         "# Cold start benchmark",
         "",

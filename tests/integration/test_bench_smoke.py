@@ -130,3 +130,13 @@ def test_summary_ratios() -> None:
     assert by["overlayfs"].total_median_s == 5.0 and by["overlayfs"].total_min_s == 4.0
     assert by["estargz-ours"].total_ratio_vs_overlayfs == 0.4
     assert by["estargz-ours"].fetched_ratio_vs_overlayfs == 0.2
+
+
+def test_the_report_names_the_checkout_the_run_began_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run takes most of an hour and restarts the daemon for every cell, so the report's header
+    is the machine and checkout of its start, not of whenever it is written."""
+    monkeypatch.setattr(run, "_revision", lambda: "aaaa111")
+    report = run.Report(machine=run.machine_info())
+    monkeypatch.setattr(run, "_revision", lambda: "bbbb222 + uncommitted changes")
+    md = run.markdown(run.Config(), report, [])
+    assert "snapshotter at aaaa111." in md and "bbbb222" not in md
