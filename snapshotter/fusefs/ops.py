@@ -167,7 +167,8 @@ class ReadRecorder:
 def _edge(
     fn: Callable[Concatenate[LazyOperations, P], Coroutine[Any, Any, T]],
 ) -> Callable[Concatenate[LazyOperations, P], Coroutine[Any, Any, T]]:
-    """Turn every exception but FUSEError (and cancellation) into EIO, logging it."""
+    """Turn every exception but FUSEError (and cancellation) into EIO, logging it; count the
+    request in `stats` and tell `on_request` (the background fetch's gate) that one ended."""
 
     @functools.wraps(fn)
     async def wrapper(self: LazyOperations, *args: P.args, **kwargs: P.kwargs) -> T:
@@ -185,6 +186,8 @@ def _edge(
             raise pyfuse3.FUSEError(errno.EIO) from None
         finally:
             self.stats.observe(fn.__name__, time.monotonic() - start, error)
+            if self.on_request is not None:
+                self.on_request()
 
     return wrapper
 
@@ -206,7 +209,9 @@ class LazyOperations(pyfuse3.Operations):
         readers: Sequence[LayerReader],
         config: FsConfig | None = None,
         recorder: ReadRecorder | None = None,
+        on_request: Callable[[], None] | None = None,
     ) -> None:
+        """on_request: called after each request (any operation), on the event loop."""
         super().__init__()
         if len(readers) != len(tree.layers):
             raise ValueError(f"{len(readers)} readers for {len(tree.layers)} layers")
@@ -215,6 +220,7 @@ class LazyOperations(pyfuse3.Operations):
         self.config = config or FsConfig()
         self.recorder = recorder if recorder is not None else ReadRecorder(tree)
         self.stats = FsStatistics()
+        self.on_request = on_request
         self.lookup_counts: dict[int, int] = {}
         # inode -> (when, offset, end) of its last failed read; see `read`.
         self._failed: dict[int, tuple[float, int, int]] = {}

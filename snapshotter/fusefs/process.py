@@ -406,9 +406,11 @@ async def serve(state: MountState, tree: MountTree, reader_kinds: Mapping[str, R
         prefetcher = Prefetcher(tree, readers, [spec.digest for spec in layer_specs],
                                 PrefetchSettings.from_doc(state.doc))
         env.shared.setdefault("stats_hooks", []).append(prefetcher.stats_hook)
-        # The filesystem reads through tracked readers: on-demand reads pause the background fetch.
+        # The filesystem reads through tracked readers, and reports each request: the container's
+        # reads and requests pause the background fetch.
         ops = LazyOperations(tree, prefetcher.tracked(readers), FsConfig(fetch_timeout=state.fetch_timeout,
-                                                                         cache_timeout=state.cache_timeout), recorder)
+                                                                         cache_timeout=state.cache_timeout), recorder,
+                             on_request=prefetcher.gate.note_request)
         nursery.start_soon(run_stats_writer, state, ops, readers, env)  # state["stats_file"], if named
         _detach_stale_mount(state.mountpoint)
         try:

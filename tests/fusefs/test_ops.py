@@ -101,6 +101,22 @@ def test_lookup_getattr_and_negative_entries() -> None:
     assert fuse_errno(lambda: ops.opendir(ops.tree.resolve("big").inode, CTX)) == errno.ENOTDIR  # type: ignore[union-attr]
 
 
+def test_every_request_is_reported_to_on_request_failed_ones_too() -> None:
+    """The background fetch's gate hears of each request (a lookup-heavy `find` pauses it too)."""
+    ops, _ = make_ops()
+    ended: list[str] = []
+    ops.on_request = lambda: ended.append("request")
+
+    async def go() -> None:
+        node = await ops.lookup(ROOT_INODE, b"big", CTX)
+        await ops.getattr(node.st_ino, CTX)
+        with pytest.raises(pyfuse3.FUSEError):
+            await ops.getattr(99999, CTX)
+        assert len(ended) == 3 and ops.stats.ops["getattr"].count == 2
+
+    run(go)
+
+
 def test_reads_go_to_the_serving_layer_and_are_recorded_in_first_read_order() -> None:
     ops, reader = make_ops()
     big = ops.tree.resolve("big")

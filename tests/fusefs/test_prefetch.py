@@ -184,6 +184,27 @@ def test_background_waits_for_on_demand_reads_to_pause(tmp_path: Path) -> None:
     assert first_background >= ended[0] - delay / 4 + delay - 0.05
 
 
+def test_background_waits_for_filesystem_requests_to_pause(tmp_path: Path) -> None:
+    """Lookups, getattrs and readdirs (a `find` over the image) fetch nothing, but the mount
+    serves them on the loop the background fetch uses: they hold it back as reads do."""
+    blob, index, _files = _layer(tmp_path, None)
+    delay = 0.4
+    ended: list[float] = []
+
+    async def body(p: Prefetcher, reader, source: CountingSource) -> None:  # type: ignore[no-untyped-def]
+        for _ in range(6):  # a metadata-busy workload: background must not start meanwhile
+            p.gate.note_request()
+            await trio.sleep(delay / 4)
+        ended.append(trio.current_time() - delay / 4)
+        with trio.fail_after(20):
+            while p.status["0:sha256:layer"]["background"] != "done":
+                await trio.sleep(0.02)
+
+    _p, source, _ = run(tmp_path, index, blob, PrefetchSettings(background_delay=delay), body=body)
+    assert source.calls, "the background fetch never ran"
+    assert source.calls[0][2] >= ended[0] + delay - 0.05
+
+
 def test_background_stops_before_evicting(tmp_path: Path) -> None:
     blob, index, _files = _layer(tmp_path, None)
     cap = 400_000
