@@ -56,7 +56,7 @@ class PrefetchConfig:
     background_bytes_per_second: int = field(default=0, metadata={
         "doc": "bandwidth cap of the background fetch per mount (0 = unlimited)"})
     background_delay: float = field(default=3.0, metadata={
-        "doc": "seconds without on-demand reads before the background fetch starts or resumes"})
+        "doc": "seconds without filesystem requests (any kind) before the background fetch starts or resumes"})
 
 
 @dataclass(frozen=True)
