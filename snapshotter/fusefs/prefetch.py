@@ -27,7 +27,7 @@ Background fetch (`[prefetch] background`, after every layer's prefetch has fini
   waits until no on-demand read has been running, and no filesystem request of any kind has
   ended (`ForegroundGate.note_request`), for `background_delay` seconds, so the container's
   requests always go first (the mount serves them and the background fetch on one event loop:
-  a `find` over the image ran 3-8x slower while a background unit was in flight);
+  a `find` over the image took 3-8 s while background units were in flight, 0.6-0.9 s without);
 - `background_bytes_per_second` (0 = unlimited) paces it: after each unit it sleeps until the
   bytes fetched so far divided by the elapsed time is at most the cap; units are then about a
   quarter second of the cap (at least 64 KiB, at most max_merge_bytes);
