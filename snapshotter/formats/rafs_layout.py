@@ -250,10 +250,6 @@ class Inode:
         return 0 if self.xattr_icount == 0 else XATTR_IBODY_HEADER + (self.xattr_icount - 1) * 4
 
 
-def inode_format_of(b: bytes) -> int:
-    return int.from_bytes(b[0:2], "little")
-
-
 def unpack_inode(b: bytes) -> Inode:
     """Parse an inode from `b` (>= 32 bytes; >= 64 if the format bit says extended)."""
     return unpack_inode_at(b, 0)
@@ -281,12 +277,6 @@ def pack_compact_inode(*, layout: int, xattr_icount: int, mode: int, size: int, 
     """A 32-byte compact inode; its mtime is the superblock build time + rel_mtime seconds."""
     fmt = layout << 1
     return _COMPACT.pack(fmt, xattr_icount, mode, nlink, size, rel_mtime, i_u, ino, uid, gid, b"")
-
-
-def unpack_chunk_index(b: bytes, off: int) -> tuple[int, int, int]:
-    """(blob_addr_lo, blob_addr_hi, blkaddr)."""
-    lo, hi, blk = _CHUNK_INDEX.unpack_from(b, off)
-    return lo, hi, blk
 
 
 def iter_chunk_indexes(b: bytes) -> Iterator[tuple[int, int, int]]:
