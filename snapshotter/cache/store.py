@@ -320,6 +320,32 @@ class ChunkCache:
         finally:
             self._open_files.checkin(held)
 
+    def read_into(self, key: str, offset: int, into: memoryview) -> bool:
+        """Fill `into` with the chunk's bytes from `offset` on, as `get` reads them (opening the
+        file when it is not held, waiting for the disk, refreshing the LRU row); False when the
+        chunk is not cached or ends before `into` is full (`into` partly written, maybe)."""
+        if offset < 0:
+            raise ValueError(f"bad offset {offset}")
+        try:
+            held = self._hold(key)
+            if held is None:
+                return False
+            try:
+                if offset + len(into) > held.size:
+                    return False
+                got = os.preadv(held.fd, [into], offset) if len(into) else 0
+            finally:
+                self._open_files.checkin(held)
+            if got != len(into):
+                self._open_files.drop(key)
+                return False
+            now = time.time()
+            if self._refresh_due(held, now):
+                self._refresh_atimes([key], now)
+            return True
+        except (sqlite3.Error, OSError) as exc:
+            raise CacheError(f"chunk cache {self.root}: cannot read {key}: {exc}") from exc
+
     def _read_resident(self, held: OpenChunk, offset: int, into: memoryview) -> bool:
         if time.time() - held.touched >= self.touch_interval:
             return False

@@ -402,7 +402,7 @@ class LayerReader:
         spans = [(max(offset, c.file_offset) - c.file_offset, min(end, c.end) - c.file_offset) for c in chunks]
         wanted = [(k, lo, hi - lo) for k, (lo, hi) in zip(keys, spans, strict=True)]
         if len(wanted) > 1:
-            joined = self._cache_read_resident_joined(wanted, end - offset)
+            joined = await self._cache_read_joined(wanted, end - offset)
             if joined is not None:
                 return [joined]
         found = await self._cached_parts(wanted)
@@ -806,22 +806,49 @@ class LayerReader:
         self.stats.cache_hits += len(found)
         return found
 
-    def _cache_read_resident_joined(self, wanted: list[tuple[str, int, int]], total: int) -> bytearray | None:
+    async def _cache_read_joined(self, wanted: list[tuple[str, int, int]], total: int) -> bytearray | None:
         """The (key, offset, size) parts read one after another into one buffer, when the cache
-        serves every one without waiting; None otherwise. A read spanning two chunks (Nydus's
-        1 MiB chunks under the kernel's 1 MiB reads, mostly) then costs no join of the parts."""
+        holds every one; None otherwise (the caller then takes the parts one by one). A read
+        spanning two chunks (Nydus's 1 MiB chunks under the kernel's 1 MiB reads, mostly) then
+        costs no join of the parts.
+
+        The parts the page cache holds are read inline. When the reader has caught up with the
+        read-ahead (the first parts are in the page cache, a later one is still on its way from
+        the disk), the rest is read into the same buffer in a worker thread: going part by part
+        instead would read the first parts again and join them. When not even the first part
+        is in the page cache, the read is most likely a miss, and goes part by part at once."""
         cache = self.cache
         if cache is None or self.config.verify_cached:
             return None
+        if sum(size for _, _, size in wanted) != total:
+            return None
         buf = bytearray(total)
         view = memoryview(buf)
-        pos = 0
+        pos = done = 0
         for key, off, size in wanted:
             if not cache.read_resident_into(key, off, view[pos:pos + size]):
-                return None
+                break
             pos += size
-        if pos != total:
+            done += 1
+        if done == 0:
             return None
+        if done < len(wanted):
+            rest = wanted[done:]
+
+            def read_rest() -> bool:
+                at = pos
+                for key, off, size in rest:
+                    if not cache.read_into(key, off, view[at:at + size]):
+                        return False
+                    at += size
+                return True
+
+            try:
+                if not await trio.to_thread.run_sync(read_rest, limiter=self._cache_limiter):
+                    return None
+            except CacheError as exc:
+                log.warning("%s", exc)
+                return None
         self.stats.cache_hits += len(wanted)
         return buf
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 import threading
 import time
@@ -844,3 +845,61 @@ def test_streamed_fetches_hold_neither_the_answer_nor_a_whole_chunk(tmp_path: Pa
         tracemalloc.stop()
     assert digest.digest() == hashlib.sha256(content).digest()
     assert peak < chunk_size, f"peak {peak} bytes"
+
+
+def _chunk_only_in_page_cache(cache: ChunkCache, key: str, size: int) -> None:
+    """Drop the page cache, then bring back only `key`'s file (held open by the cache)."""
+    if os.geteuid() != 0:
+        pytest.fail("needs root to drop the page cache (the project runs tests as root)")
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("1")
+    assert cache.get(key, 0, size) is not None
+
+
+def test_a_read_that_catches_up_with_the_disk_finishes_in_its_one_buffer(blob: BuiltBlob, tmp_path: Path) -> None:
+    """A warm sequential reader ahead of the read-ahead: the first chunk of its read is in the
+    page cache, the next is still on disk. The rest of the read goes into the same buffer from a
+    worker thread; it is not read again part by part (a second read of the first part and a join)."""
+    cache = ChunkCache(tmp_path, 1 << 30, touch_interval=3600)
+    entry = blob.entries["big"]
+    want = blob.contents["big"]
+    first, second = entry.chunks[2], entry.chunks[3]
+
+    async def main() -> None:
+        async with open_layer_reader(FileRangeSource([blob.path]), blobs=[LAYER], cache=cache,
+                                     config=ReaderConfig(readahead_bytes=0)) as reader:
+            assert await reader.read(entry, 0, entry.size) == want  # everything cached
+            _chunk_only_in_page_cache(cache, reader.key_for(first), first.size)
+
+            def no(*args: object) -> None:
+                raise AssertionError("read piece by piece")
+
+            cache.get_resident = no  # type: ignore[method-assign]
+            cache.get = no  # type: ignore[method-assign]
+            hits = reader.stats.cache_hits
+            lo, hi = first.file_offset + 100, second.file_offset + 5000
+            assert await reader.read(entry, lo, hi - lo) == want[lo:hi]
+            assert reader.stats.cache_hits == hits + 2
+
+    trio.run(main)
+
+
+def test_a_joined_read_whose_later_chunk_is_gone_is_fetched_again(blob: BuiltBlob, tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, 1 << 30, touch_interval=3600)
+    entry = blob.entries["big"]
+    want = blob.contents["big"]
+    first, second = entry.chunks[5], entry.chunks[6]
+    source = CountingSource([blob.path])
+
+    async def main() -> None:
+        async with open_layer_reader(source, blobs=[LAYER], cache=cache,
+                                     config=ReaderConfig(readahead_bytes=0)) as reader:
+            assert await reader.read(entry, 0, entry.size) == want
+            _chunk_only_in_page_cache(cache, reader.key_for(first), first.size)
+            assert cache.discard(reader.key_for(second))  # evicted by another process meanwhile
+            source.calls.clear()
+            lo, hi = first.file_offset + 100, second.file_offset + 5000
+            assert await reader.read(entry, lo, hi - lo) == want[lo:hi]
+            assert [(off, length) for _, off, length in source.calls] == [(second.blob_offset, second.blob_size)]
+
+    trio.run(main)

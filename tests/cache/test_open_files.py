@@ -194,3 +194,22 @@ def test_warm_is_a_use_it_refreshes_the_lru_rows_due_so_reads_after_it_need_no_t
     with sqlite3.connect(tmp_path / "index.db") as db:
         atimes = [db.execute("SELECT atime FROM chunks WHERE key = ?", (k,)).fetchone()[0] for k in keys]
     assert min(atimes) >= before, "warm() did not refresh the rows"
+
+
+def test_read_into_reads_from_the_disk_into_a_slice_and_says_no_for_what_is_not_there(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, 16 << 20, touch_interval=3600)
+    a, data_a = chunk(9, 1 << 20)
+    assert cache.put(a, data_a)
+    _drop_page_cache()
+    buf = bytearray(200_000)
+    view = memoryview(buf)
+    assert not cache.read_resident_into(a, 0, view[:10]), "not open here yet"
+    # Opens the file (the index says it is cached) and waits for the disk, as `get` does.
+    assert cache.read_into(a, 1000, view[50_000:])
+    assert bytes(buf[50_000:]) == data_a[1000:151_000]
+    assert cache.read_resident_into(a, 1000, view[:10]), "the file is held open after it"
+    assert not cache.read_into(a, len(data_a) - 10, view[:11]), "past the chunk's end"
+    missing, _ = chunk(10, 4096)
+    assert not cache.read_into(missing, 0, view[:10]), "not cached"
+    os.truncate(cache.path_for(a), 100)  # an outside writer damaging the file in place
+    assert not cache.read_into(a, 0, view[:4096]), "a short read is a miss, never short data"
