@@ -239,3 +239,17 @@ def test_directory_entries_are_in_byte_order_of_their_names() -> None:
     assert names(t, "ascii") == ["B", "_", "a", "a0", "b"]
     assert names(t, "mixed") == ["z", "\xe9", "\ue000", "\udcff"]
     assert sorted(mixed) != names(t, "mixed"), "the case that tells byte order from str order"
+
+
+def test_the_built_tree_keeps_no_merge_tables_and_non_directories_take_no_children() -> None:
+    """One Node per inode from merge to serving: the merge's child tables are dropped once the
+    tree is built (they would hold a second table per directory for the mount's life), and the
+    shared empty table of non-directories cannot be written by mistake."""
+    l0 = Layer().dir("d").file("d/f", b"x").symlink("d/l", "f").hardlink("d/h", "d/f").whiteout("gone")
+    l1 = Layer().dir("d/e").file("d/e/g", b"y").opaque("d")
+    for tree in (merged(l0, l1), build_tree([[l0.index()], [l1.index()]], subtrees=True)):
+        assert all(not n.kids for n in tree.nodes.values())
+        assert {n.inode for n in tree.nodes.values()} == set(tree.nodes)
+        file_node = next(n for n in tree.nodes.values() if n.type is EntryType.REG)
+        with pytest.raises(TypeError):
+            file_node.kids["x"] = file_node
