@@ -34,7 +34,8 @@ entries, which hold no filesystem, are dropped with a warning; a nested index is
    Config diff_ids = sha256 of each layer's uncompressed content, as nydusify computes them:
    a blob layer is not compressed, so its diff_id is its digest; the bootstrap's is the sha256
    of the bootstrap tar. A history entry is appended for the bootstrap layer. `--prefetch-list`
-   names fill the bootstrap's prefetch table (names absent from the image are ignored).
+   names fill the bootstrap's prefetch table (names absent from the image are ignored), and
+   their chunks come first in each blob, as nydus-image lays blobs out (one run to prefetch).
    Note: containerd's ordinary unpack cannot apply the blob layers (not tar streams); a Nydus
    image needs a Nydus-aware snapshotter, as with nydusify's output.
 4. The new config and manifest are always OCI (`...manifest.v1+json`, `...config.v1+json`;

@@ -20,7 +20,14 @@ Contract of `write_nydus(layers, blob_out, chunk_size=1 MiB, compression="zstd",
   uses 32-byte ones where they can hold the same facts for the kernel), block size 4 KiB,
   and carries the chunk-info table, so `parse_bootstrap` needs nothing but the bootstrap.
   `prefetch` names (normalized paths) go to the prefetch table as nids.
-The function reads each tar once, streaming; memory holds the tree, not file contents.
+- Prefetch files first, as nydus-image lays out a blob: when `prefetch` is given and a layer's
+  stream can seek, the chunks of that layer's regular files named in it (or under a directory
+  named in it) are written at the head of the blob, in tar order, before every other chunk, so
+  a mount's prefetch is one contiguous run of the blob. That layer's tar is then read twice
+  (once for those files, once for the tree); a stream that cannot seek is read once and its
+  chunks stay in tar order.
+The function reads each tar once (but see above), streaming; memory holds the tree, not file
+contents.
 """
 
 from __future__ import annotations
@@ -227,8 +234,9 @@ def _xattrs_of(m: tarfile.TarInfo) -> dict[str, bytes]:
 
 class _Builder:
     def __init__(self, blob_out: Callable[[int], BinaryIO], chunk_size: int, compression: Compression,
-                 digest_algo: str) -> None:
+                 digest_algo: str, prefetch: Sequence[str] = ()) -> None:
         self.blob_out = blob_out
+        self.prefetch = frozenset(normalize_name(p) for p in prefetch)
         self.digest_algo = digest_algo
         self.chunk_size = chunk_size
         self.compression = compression
@@ -277,20 +285,46 @@ class _Builder:
     def add_layer(self, index: int, stream: BinaryIO) -> None:
         blob = _BlobWriter(index, self.blob_out(index))
         touched: set[str] = set()
-        try:
-            tf = tarfile.open(fileobj=stream, mode="r|*")
-        except tarfile.TarError as exc:
-            raise FormatError(f"layer {index}: not a tar stream: {exc}") from None
-        with tf:
+        placed: dict[tuple[int, str], list[_StoredChunk]] = {}
+        if self.prefetch and _can_rewind(stream):
+            start = stream.tell()
+            with _open_tar(index, stream) as tf:
+                try:
+                    for m in tf:
+                        self._place_prefetch_file(tf, m, blob, placed)
+                except tarfile.TarError as exc:
+                    raise FormatError(f"layer {index}: bad tar: {exc}") from None
+            stream.seek(start)
+        with _open_tar(index, stream) as tf:
             try:
                 for m in tf:
-                    self._add_member(index, tf, m, blob, touched)
+                    self._add_member(index, tf, m, blob, touched, placed)
             except tarfile.TarError as exc:
                 raise FormatError(f"layer {index}: bad tar: {exc}") from None
         self.blobs.append(blob.finish(self.compression, self.chunk_size, self.digest_algo))
 
+    def _is_prefetched(self, name: str) -> bool:
+        """Whether `name` is in the prefetch list, itself or under a directory listed there."""
+        if name in self.prefetch or "" in self.prefetch:
+            return True
+        parts = name.split("/")
+        return any("/".join(parts[:i]) in self.prefetch for i in range(1, len(parts)))
+
+    def _place_prefetch_file(self, tf: tarfile.TarFile, m: tarfile.TarInfo, blob: _BlobWriter,
+                             placed: dict[tuple[int, str], list[_StoredChunk]]) -> None:
+        """First pass of a layer: store the chunks of a regular file the prefetch list names,
+        keyed by where its data is in the tar (the second pass takes them from there)."""
+        if _TAR_MODES.get(m.type) != stat.S_IFREG or m.size <= 0:
+            return
+        name = normalize_name(m.name)
+        if not self._is_prefetched(name):
+            return
+        f = tf.extractfile(m)
+        if f is not None:
+            placed[(m.offset_data, name)] = self._store_data(m.size, f, blob)
+
     def _add_member(self, index: int, tf: tarfile.TarFile, m: tarfile.TarInfo, blob: _BlobWriter,
-                    touched: set[str]) -> None:
+                    touched: set[str], placed: dict[tuple[int, str], list[_StoredChunk]]) -> None:
         name = normalize_name(m.name)
         parts = self._split(name)
         base = parts[-1].decode("utf-8", "surrogateescape") if parts else ""
@@ -325,9 +359,13 @@ class _Builder:
         node.mtime_nsec = min(int(round((mtime - node.mtime) * 1e9)), 999_999_999)
         if kind == stat.S_IFREG:
             node.size = m.size
-            f = tf.extractfile(m)
-            if f is not None:
-                self._store_file(node, f, blob)
+            stored = placed.get((m.offset_data, name))
+            if stored is not None:
+                node.chunks.extend(stored)
+            else:
+                f = tf.extractfile(m)
+                if f is not None:
+                    node.chunks.extend(self._store_data(m.size, f, blob))
         elif kind == stat.S_IFLNK:
             node.target = m.linkname.encode("utf-8", "surrogateescape")
             if not node.target or len(node.target) >= BLOCK_SIZE:
@@ -349,8 +387,11 @@ class _Builder:
             node.children = old.children  # a directory entry updates metadata, keeps contents
         parent.children[parts[-1]] = node
 
-    def _store_file(self, node: _Node, f: IO[bytes], blob: _BlobWriter) -> None:
-        left = node.size
+    def _store_data(self, size: int, f: IO[bytes], blob: _BlobWriter) -> list[_StoredChunk]:
+        """The chunks of a file's `size` bytes read from `f`: stored in `blob`, or earlier ones
+        holding the same bytes (deduplicated by digest)."""
+        chunks: list[_StoredChunk] = []
+        left = size
         while left > 0:
             piece = f.read(min(self.chunk_size, left))
             if not piece:
@@ -360,14 +401,29 @@ class _Builder:
             known = self.dedup.get(digest)
             if known is not None and known.uncompressed_size == len(piece):
                 self.deduplicated += 1
-                node.chunks.append(known)
+                chunks.append(known)
                 continue
             packed = self.compress(piece)
             compressed = len(packed) < len(piece) and self.compression is not Compression.NONE
             chunk = blob.add_chunk(digest, len(piece), packed if compressed else piece, compressed)
             self.stored += 1
             self.dedup[digest] = chunk
-            node.chunks.append(chunk)
+            chunks.append(chunk)
+        return chunks
+
+
+def _can_rewind(stream: BinaryIO) -> bool:
+    try:
+        return stream.seekable()
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+def _open_tar(index: int, stream: BinaryIO) -> tarfile.TarFile:
+    try:
+        return tarfile.open(fileobj=stream, mode="r|*")
+    except tarfile.TarError as exc:
+        raise FormatError(f"layer {index}: not a tar stream: {exc}") from None
 
 
 def write_nydus(layers: Sequence[BinaryIO], blob_out: Callable[[int], BinaryIO], *,
@@ -384,7 +440,7 @@ def write_nydus(layers: Sequence[BinaryIO], blob_out: Callable[[int], BinaryIO],
         raise ValueError("RAFS v6 chunk indexes address at most 255 blobs")
     if digest not in ("sha256", "blake3"):
         raise ValueError(f"digest must be 'sha256' or 'blake3', not {digest!r}")
-    builder = _Builder(blob_out, chunk_size, comp, digest)
+    builder = _Builder(blob_out, chunk_size, comp, digest, prefetch or ())
     for i, stream in enumerate(layers):
         builder.add_layer(i, stream)
     from snapshotter.formats.rafs_bootstrap import build_bootstrap

@@ -315,6 +315,61 @@ def test_writer_two_layers_whiteouts_and_dedup(tmp_path: Path) -> None:
         assert (got.type, got.size, got.sha256, got.link) == (facts.type, facts.size, facts.sha256, facts.link)
 
 
+def _three_files_tar(path: Path) -> dict[str, bytes]:
+    """A tar with "a/first", "b/middle" (3 chunks of 16 KiB) and "z/wanted", in that order."""
+    rand = hashlib.sha256(b"prefetch-first").digest()
+    files = {"a/first": rand * 700, "b/middle": os.urandom(40_000), "z/wanted": os.urandom(20_000)}
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tf:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime = len(data), MTIME
+            tf.addfile(info, io.BytesIO(data))
+    return files
+
+
+class _OneWay(io.RawIOBase):
+    """A stream that cannot seek (a pipe, say)."""
+
+    def __init__(self, data: bytes) -> None:
+        self._f = io.BytesIO(data)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: bytearray) -> int:  # type: ignore[override]
+        return self._f.readinto(b)
+
+
+@pytest.mark.parametrize("listed", ["z/wanted", "z"])
+def test_writer_puts_prefetch_files_first_in_the_blob(listed: str, tmp_path: Path) -> None:
+    # As nydus-image lays a blob out: the prefetch files' chunks at its head, so a mount's
+    # prefetch of them is one run of the blob, not ranges scattered over it.
+    files = _three_files_tar(tmp_path / "l.tar")
+    boot, blobs, _ = _write([tmp_path / "l.tar"], tmp_path, chunk_size=16 << 10, prefetch=[listed])
+    idx = parse_bootstrap(boot.read_bytes(), max_bootstrap_bytes=CAP)
+    assert idx.prefetch == ("z/wanted",)
+    wanted = idx["z/wanted"].chunks
+    others = [c for name in ("a/first", "b/middle") for c in idx[name].chunks]
+    assert [c.blob_offset for c in wanted][0] == 0
+    assert max(c.blob_offset + c.blob_size for c in wanted) <= min(c.blob_offset for c in others)
+    # The bytes are unchanged: our reader and the kernel read the same files.
+    read = reader_for(blobs)
+    assert {name: read(idx[name]) for name in files} == files
+    devs = device_images(boot.read_bytes(), blobs, tmp_path)
+    with mounted(boot, tmp_path / "mnt", devs) as mnt:
+        assert {name: (mnt / name).read_bytes() for name in files} == files
+
+
+def test_writer_keeps_tar_order_when_the_stream_cannot_seek(tmp_path: Path) -> None:
+    files = _three_files_tar(tmp_path / "l.tar")
+    result = write_nydus([_OneWay((tmp_path / "l.tar").read_bytes())], lambda i: io.BytesIO(),
+                         chunk_size=16 << 10, prefetch=["z/wanted"])
+    idx = parse_bootstrap(result.bootstrap, max_bootstrap_bytes=CAP)
+    assert idx.prefetch == ("z/wanted",)
+    offsets = {name: idx[name].chunks[0].blob_offset for name in files}
+    assert offsets["a/first"] < offsets["b/middle"] < offsets["z/wanted"]
+
+
 @pytest.mark.parametrize(("compression", "digest"), [("none", "sha256"), ("gzip", "sha256"),
                                                       ("lz4_block", "blake3"), ("zstd", "blake3")])
 def test_writer_compressions_round_trip(compression: str, digest: str, tmp_path: Path) -> None:
