@@ -185,8 +185,13 @@ class ImageCache:
         return (self.dir(image) / f"done-{tag}").exists()
 
     def convert_ours(self, image: str, fmt: str, prefetch_list: Path | None = None) -> str:
-        """Convert the gzip image with `snapshotter convert`; returns the tag."""
-        tag = fmt if prefetch_list is None else f"{fmt}-landmark"
+        """Convert the gzip image with `snapshotter convert`; returns the tag (`fmt`, or with a
+        prefetch list "estargz-ours-landmark" / "nydus-prefetch": the list becomes the eStargz
+        landmark or the Nydus bootstrap's prefetch table)."""
+        if prefetch_list is None:
+            tag = fmt
+        else:
+            tag = f"{fmt}-prefetch" if fmt == "nydus" else f"{fmt}-landmark"
         oci = self.layout(image)
         if self.has(image, tag):
             return tag

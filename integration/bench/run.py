@@ -24,6 +24,7 @@ Variants (`--formats`; `overlayfs` on the gzip image is always the baseline):
                     note when that command does not exist)
   zstdchunked-ours  `snapshotter convert --format zstdchunked`
   nydus             `snapshotter convert --format nydus`
+  nydus-prefetch    Nydus with the same recorded list as its bootstrap's prefetch table
 Networks (`--net`):
   unshaped          loopback as is
   NNNmbit           registry responses capped to NNN Mbit/s: an htb class on `lo` with a u32 filter
@@ -65,7 +66,9 @@ from integration.lab import Lab, LabError, stop_pids, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BASELINE = "overlayfs"
-LAZY_FORMATS = ("estargz-ours", "estargz-ctr", "estargz-landmark", "zstdchunked-ours", "nydus")
+LAZY_FORMATS = ("estargz-ours", "estargz-ctr", "estargz-landmark", "zstdchunked-ours", "nydus", "nydus-prefetch")
+# Variants converted from a recorded prefetch profile -> the format they are converted to.
+PROFILED = {"estargz-landmark": "estargz-ours", "nydus-prefetch": "nydus"}
 PYTHON_SNIPPET = (
     "import json, sqlite3, email, email.mime.text, http.client, urllib.request, xml.etree.ElementTree, "
     "decimal, asyncio, logging, argparse; c = sqlite3.connect(':memory:'); "
@@ -408,14 +411,14 @@ def prepare_images(lab: Lab, cache: ImageCache, image: str, variants: Sequence[s
     for v in variants:
         if v in ("estargz-ours", "zstdchunked-ours", "nydus"):
             tags[v] = cache.convert_ours(image, v)
-        elif v == "estargz-landmark":
+        elif v in PROFILED:
             if not snapshotter_has_record():
-                notes.append("estargz-landmark skipped: `snapshotter record` does not exist yet")
+                notes.append(f"{v} skipped: `snapshotter record` does not exist yet")
                 continue
             prefetch = record_prefetch_list(lab, cache, image, work)
-            tags[v] = cache.convert_ours(image, "estargz-ours", prefetch_list=prefetch)
+            tags[v] = cache.convert_ours(image, PROFILED[v], prefetch_list=prefetch)
             recorded = len(prefetch.read_text().splitlines())
-            notes.append(f"{image}/estargz-landmark: prefetch profile recorded with `snapshotter record` of the "
+            notes.append(f"{image}/{v}: prefetch profile recorded with `snapshotter record` of the "
                          f"{prefetch.stem.removeprefix('prefetch-')} workload ({recorded} "
                          "files), so that workload runs exactly what was recorded; the others show the cost of "
                          "prefetching files they do not need")
