@@ -345,9 +345,12 @@ def test_writer_puts_prefetch_files_first_in_the_blob(listed: str, tmp_path: Pat
     # As nydus-image lays a blob out: the prefetch files' chunks at its head, so a mount's
     # prefetch of them is one run of the blob, not ranges scattered over it.
     files = _three_files_tar(tmp_path / "l.tar")
-    boot, blobs, _ = _write([tmp_path / "l.tar"], tmp_path, chunk_size=16 << 10, prefetch=[listed])
+    boot, blobs, result = _write([tmp_path / "l.tar"], tmp_path, chunk_size=16 << 10, prefetch=[listed])
     idx = parse_bootstrap(boot.read_bytes(), max_bootstrap_bytes=CAP)
     assert idx.prefetch == ("z/wanted",)
+    # The second pass takes the listed file's chunks from the first (its bytes are not stored twice
+    # and deduplicated; no two chunks of these files hold the same bytes).
+    assert result.deduplicated_chunks == 0  # type: ignore[attr-defined]
     wanted = idx["z/wanted"].chunks
     others = [c for name in ("a/first", "b/middle") for c in idx[name].chunks]
     assert [c.blob_offset for c in wanted][0] == 0
