@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import ssl
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 import trio
 
 from snapshotter.fetch import RegistryClient, RegistryError
-from snapshotter.fetch.client import _ByteBudget
+from snapshotter.fetch.client import _ByteBudget, _tls_context
 from tests.fetch.conftest import FAST
 from tests.fetch.proxies import Fault, RegistryProxy
 from tests.fetch.registry import PushedImage, RegistryProcess, make_self_signed, push_image, start_registry
@@ -57,6 +58,17 @@ def test_tls_with_custom_ca(tls_registry: tuple[RegistryProcess, PushedImage, Pa
             assert await c.read_range(img.ref, digest, 0, 6) == data[:6]
 
     trio.run(main)
+
+
+def test_a_context_that_verifies_nothing_loads_no_ca_store() -> None:
+    # The system CA store costs ~20 ms and ~2 MiB to load; a skip_verify context never uses it.
+    skip = _tls_context(True, (), ())
+    assert skip.verify_mode is ssl.CERT_NONE and not skip.check_hostname
+    assert skip.cert_store_stats()["x509_ca"] == 0
+    assert skip.minimum_version >= ssl.TLSVersion.TLSv1_2
+    verify = _tls_context(False, (), ())
+    assert verify.verify_mode is ssl.CERT_REQUIRED and verify.check_hostname
+    assert verify is _tls_context(False, (), ())  # one per setting, shared
 
 
 def test_hosts_toml_headers_and_plain_http_server(origin: RegistryProcess, image: PushedImage,
