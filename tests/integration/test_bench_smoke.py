@@ -1,5 +1,6 @@
 """The benchmark harness (integration.bench.run) end to end on a tiny image, so it cannot rot:
-one run per cell, the Foundation busybox image, the delaying proxy, our eStargz.
+one run per cell, the Foundation busybox image, the delaying proxy, our eStargz, and Nydus with a
+prefetch table recorded by `snapshotter record` (the profiled variants' path).
 
 No wall-clock limits are asserted; the report must have the expected rows and columns with sane
 values, and the harness must leave nothing behind (lab dir, mounts, qdisc, proxy).
@@ -24,7 +25,7 @@ def test_bench_harness_smoke(tmp_path: Path) -> None:
     lab_base = tmp_path / "labs"
     lab_base.mkdir()
     argv = [sys.executable, "-m", "integration.bench.run", "--n", "1", "--images", "tiny", "--formats",
-            "estargz-ours", "--net", "latency20", "--out", str(out), "--cache", str(tmp_path / "cache")]
+            "estargz-ours,nydus-prefetch", "--net", "latency20", "--out", str(out), "--cache", str(tmp_path / "cache")]
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), TMPDIR=str(lab_base))
     r = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-5000:]}"
@@ -32,7 +33,7 @@ def test_bench_harness_smoke(tmp_path: Path) -> None:
     with open(out / "results.csv", newline="") as f:
         cells = list(csv.DictReader(f))
     assert {(c["workload"], c["variant"]) for c in cells} == {
-        (w, v) for w in ("true", "sha256", "warm-read") for v in ("overlayfs", "estargz-ours")}
+        (w, v) for w in ("true", "sha256", "warm-read") for v in ("overlayfs", "estargz-ours", "nydus-prefetch")}
     for c in cells:
         assert c["image"] == "tiny" and c["net"] == "latency20" and c["n"] == "1"
         assert 0 < float(c["pull_median_s"]) and 0 < float(c["run_median_s"])
@@ -51,16 +52,22 @@ def test_bench_harness_smoke(tmp_path: Path) -> None:
     # or take the fixed-size tail read of each layer.
     assert 0.9 <= float(lazy["fetched_vs_needed"]) <= 1.5, lazy
     assert float(by[("true", "estargz-ours")]["needed_median_mb"]) > 0
+    # The Nydus image's prefetch table is the profile of `true` (the tiny image's first workload):
+    # its run fetches what it reads, the prefetched files, and little else.
+    profiled = by[("true", "nydus-prefetch")]
+    assert float(profiled["needed_median_mb"]) > 0
+    assert 0.9 <= float(profiled["fetched_vs_needed"]) <= 1.5, profiled
     # Warm: the workload timed itself inside the container, for both paths (busybox's `time` has
     # 10 ms resolution, and the tiny file may take less; the harness fails when no time is printed).
-    for v in ("overlayfs", "estargz-ours"):
+    for v in ("overlayfs", "estargz-ours", "nydus-prefetch"):
         assert float(by[("warm-read", v)]["inner_median_s"]) >= 0, by[("warm-read", v)]
 
     with open(out / "runs.csv", newline="") as f:
-        assert len(list(csv.DictReader(f))) == 6
+        assert len(list(csv.DictReader(f))) == 9
     md = (out / "report.md").read_text()
     assert "| tiny | sha256 | latency20 | estargz-ours | 1 |" in md and "Linux" in md
     assert "Warm (second run, cache hot)" in md and "| tiny | warm-read | latency20 | estargz-ours | 1 |" in md
+    assert "tiny/nydus-prefetch: prefetch profile recorded with `snapshotter record`" in md
 
     # Nothing left behind.
     assert not list(lab_base.glob("lazylab-*")), "the lab dir was not removed"
