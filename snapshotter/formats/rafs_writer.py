@@ -288,19 +288,9 @@ class _Builder:
         placed: dict[tuple[int, str], list[_StoredChunk]] = {}
         if self.prefetch and _can_rewind(stream):
             start = stream.tell()
-            with _open_tar(index, stream) as tf:
-                try:
-                    for m in tf:
-                        self._place_prefetch_file(tf, m, blob, placed)
-                except tarfile.TarError as exc:
-                    raise FormatError(f"layer {index}: bad tar: {exc}") from None
+            _each_member(index, stream, lambda tf, m: self._place_prefetch_file(tf, m, blob, placed))
             stream.seek(start)
-        with _open_tar(index, stream) as tf:
-            try:
-                for m in tf:
-                    self._add_member(index, tf, m, blob, touched, placed)
-            except tarfile.TarError as exc:
-                raise FormatError(f"layer {index}: bad tar: {exc}") from None
+        _each_member(index, stream, lambda tf, m: self._add_member(index, tf, m, blob, touched, placed))
         self.blobs.append(blob.finish(self.compression, self.chunk_size, self.digest_algo))
 
     def _is_prefetched(self, name: str) -> bool:
@@ -419,11 +409,19 @@ def _can_rewind(stream: BinaryIO) -> bool:
         return False
 
 
-def _open_tar(index: int, stream: BinaryIO) -> tarfile.TarFile:
+def _each_member(index: int, stream: BinaryIO, visit: Callable[[tarfile.TarFile, tarfile.TarInfo], None]) -> None:
+    """Read layer `index`'s tar from `stream` once, calling `visit` on each member in order; a
+    stream that is no tar, or a bad one, raises FormatError naming the layer."""
     try:
-        return tarfile.open(fileobj=stream, mode="r|*")
+        tf = tarfile.open(fileobj=stream, mode="r|*")
     except tarfile.TarError as exc:
         raise FormatError(f"layer {index}: not a tar stream: {exc}") from None
+    with tf:
+        try:
+            for m in tf:
+                visit(tf, m)
+        except tarfile.TarError as exc:
+            raise FormatError(f"layer {index}: bad tar: {exc}") from None
 
 
 def write_nydus(layers: Sequence[BinaryIO], blob_out: Callable[[int], BinaryIO], *,
