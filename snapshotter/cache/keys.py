@@ -6,6 +6,9 @@ A key names the uncompressed bytes of one chunk:
 - "blob:BLOB@OFFSET+INNER:SIZE" for chunks whose format records no digest: the chunk is named by
   where it sits in its blob (blob digest, compressed offset, inner offset, size). The file is
   `chunks/blob/H[:2]/H` with H = sha256(key), which keeps odd blob ids out of path names.
+- "group:HEX" for a read unit of several chunks (reader/units.py): HEX = sha256 of its parts'
+  digests in order, joined by ",". The parts' digests fix the bytes, so this too is content
+  addressed: a file chunked the same way in two layers is one cache file. `chunks/group/HEX[:2]/HEX`.
 
 Anything else is rejected with ValueError, so a hostile TOC digest can never become a path.
 """
@@ -14,11 +17,14 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 DIGEST_ALGOS = ("sha256", "blake3")
 _DIGEST_RE = re.compile(r"^(sha256|blake3):([0-9a-f]{64})$")
 BLOB_PREFIX = "blob:"
+GROUP_PREFIX = "group:"
+_GROUP_RE = re.compile(r"^group:([0-9a-f]{64})$")
 
 
 def blob_key(blob: str, blob_offset: int, inner_offset: int, size: int) -> str:
@@ -26,6 +32,14 @@ def blob_key(blob: str, blob_offset: int, inner_offset: int, size: int) -> str:
     if not blob or blob_offset < 0 or inner_offset < 0 or size < 0:
         raise ValueError(f"bad blob chunk position {blob!r}@{blob_offset}+{inner_offset}:{size}")
     return f"{BLOB_PREFIX}{blob}@{blob_offset}+{inner_offset}:{size}"
+
+
+def group_key(part_digests: Iterable[str]) -> str:
+    """The key of a unit of chunks with these digests ("ALGO:hex", in file order)."""
+    joined = ",".join(d.lower() for d in part_digests)
+    if not joined:
+        raise ValueError("a group key needs the digests of its parts")
+    return GROUP_PREFIX + hashlib.sha256(joined.encode("ascii", "replace")).hexdigest()
 
 
 def is_digest_key(key: str) -> bool:
@@ -38,7 +52,10 @@ def relative_path(key: str) -> Path:
     if m is not None:
         algo, hexd = m.group(1), m.group(2)
         return Path("chunks", algo, hexd[:2], hexd)
+    g = _GROUP_RE.match(key)
+    if g is not None:
+        return Path("chunks", "group", g.group(1)[:2], g.group(1))
     if key.startswith(BLOB_PREFIX) and len(key) > len(BLOB_PREFIX) and "\x00" not in key:
         h = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
         return Path("chunks", "blob", h[:2], h)
-    raise ValueError(f"not a chunk key: {key!r} (want sha256:HEX, blake3:HEX or blob:...)")
+    raise ValueError(f"not a chunk key: {key!r} (want sha256:HEX, blake3:HEX, group:HEX or blob:...)")

@@ -52,6 +52,7 @@ import trio
 from snapshotter.formats.index import Chunk, EntryType, Landmark, LayerIndex
 from snapshotter.fusefs.ops import LayerReader
 from snapshotter.fusefs.tree import MountTree
+from snapshotter.reader.units import UNIT_BYTES, units
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +181,9 @@ def _landmark_name(index: LayerIndex) -> str:
     return index.landmark.value
 
 
-def prefetch_chunks(index: LayerIndex) -> tuple[int, list[Chunk]]:
-    """(number of files, their chunks in layer order) of the index's prefetch files."""
+def prefetch_chunks(index: LayerIndex, unit_bytes: int = UNIT_BYTES) -> tuple[int, list[Chunk]]:
+    """(number of files, their read units in layer order) of the index's prefetch files
+    (`unit_bytes`: the reader's ReaderConfig.unit_bytes)."""
     files = 0
     chunks: list[Chunk] = []
     for name in index.prefetch:
@@ -189,13 +191,13 @@ def prefetch_chunks(index: LayerIndex) -> tuple[int, list[Chunk]]:
         if entry is None or entry.type is not EntryType.REG:
             continue
         files += 1
-        chunks.extend(c for c in entry.chunks if not c.zeros)
+        chunks.extend(c for c in units(entry, unit_bytes) if not c.zeros)
     return files, chunks
 
 
-def _layer_chunks(index: LayerIndex) -> list[Chunk]:
-    """Every fetchable chunk of the layer, in blob order."""
-    chunks = [c for e in index.entries if e.type is EntryType.REG for c in e.chunks if not c.zeros]
+def _layer_chunks(index: LayerIndex, unit_bytes: int) -> list[Chunk]:
+    """Every fetchable read unit of the layer, in blob order."""
+    chunks = [c for e in index.entries if e.type is EntryType.REG for c in units(e, unit_bytes) if not c.zeros]
     chunks.sort(key=lambda c: (c.blob_index, c.blob_offset))
     return chunks
 
@@ -281,7 +283,7 @@ class Prefetcher:
             self._publish()
             return
         reader: Any = self.readers[i]
-        files, chunks = prefetch_chunks(self.tree.layers[i])
+        files, chunks = prefetch_chunks(self.tree.layers[i], reader.config.unit_bytes)
         st.prefetch, st.prefetch_files, st.prefetch_chunks = "running", files, len(chunks)
         self._publish()
         began = time.monotonic()
@@ -358,7 +360,7 @@ class Prefetcher:
         assert cache is not None
         st.background = "waiting"
         self._publish()
-        chunks = _layer_chunks(self.tree.layers[i])
+        chunks = _layer_chunks(self.tree.layers[i], reader.config.unit_bytes)
         keys = [reader.key_for(c) for c in chunks]
         present = await trio.to_thread.run_sync(cache.present, list(set(keys)))
         missing = [c for c, k in zip(chunks, keys, strict=True) if k not in present]

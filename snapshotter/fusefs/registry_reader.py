@@ -44,5 +44,5 @@ async def registry_reader(spec: LayerSpec, index: LayerIndex, env: ReaderEnv) ->
                                  max_merge_bytes=config.registry.max_merge_bytes,
                                  amplify_bytes=config.registry.amplify_bytes)
     async with open_layer_reader(source, blobs=digests, cache=cache, config=reader_config,
-                                 order=BlobOrder(index.entries)) as reader:
+                                 order=BlobOrder(index.entries, reader_config.unit_bytes)) as reader:
         yield reader

@@ -5,6 +5,7 @@ from snapshotter.reader.layer import (
     LayerReader,
     ReaderConfig,
     ReaderStatistics,
+    cache_keys,
     chunk_key,
     open_layer_reader,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "ReaderConfig",
     "ReaderStatistics",
     "RegistryRangeSource",
+    "cache_keys",
     "chunk_key",
     "open_layer_reader",
 ]

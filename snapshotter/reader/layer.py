@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from snapshotter.cache.keys import blob_key, is_digest_key
+from snapshotter.cache.keys import blob_key, group_key, is_digest_key
 from snapshotter.cache.store import ChunkCache
 from snapshotter.errors import (
     CacheError,
@@ -59,13 +59,14 @@ from snapshotter.errors import (
     LimitExceeded,
     SnapshotterError,
 )
-from snapshotter.formats.codec import DEFAULT_PIECE, Buffer, decompress_chunk
+from snapshotter.formats.codec import DEFAULT_PIECE, Buffer
 from snapshotter.formats.digest import check_digest
 from snapshotter.formats.index import Chunk, Compression, Entry, EntryType
 from snapshotter.reader.budget import ByteBudget
 from snapshotter.reader.neighbours import BlobOrder
 from snapshotter.reader.runstream import CacheTarget, ChunkOutcome, MemoryTarget, RunDecoder, TargetFactory
 from snapshotter.reader.source import RangeSource, StreamingRangeSource
+from snapshotter.reader.units import UNIT_BYTES, ChunkGroup, decode_unit, units, units_for
 
 log = logging.getLogger(__name__)
 
@@ -125,9 +126,12 @@ def chunk_key(chunk: Chunk, blobs: Sequence[str]) -> str:
     """The cache key of a chunk: its digest (lowercased), or, for formats that record none, its
     position in its blob (`blobs[chunk.blob_index]`, as in `LayerIndex.blobs`).
 
-    The daemon uses this to list the keys live snapshots reference for `ChunkCache.gc`.
+    A read unit of several chunks (ChunkGroup) is keyed by its parts' digests (`group_key`).
+    The daemon lists the keys live snapshots reference for `ChunkCache.gc` with `cache_keys`.
     FormatError for digests the cache cannot address (algorithms other than sha256/blake3).
     """
+    if isinstance(chunk, ChunkGroup):
+        return group_key(chunk_key(p, blobs) for p in chunk.parts)
     if chunk.digest is not None:
         d = chunk.digest
         key = d if d.islower() else d.lower()  # most are lowercase already: no copy of each
@@ -141,6 +145,18 @@ def chunk_key(chunk: Chunk, blobs: Sequence[str]) -> str:
     return blob_key(blob, chunk.blob_offset, chunk.inner_offset, chunk.size)
 
 
+def cache_keys(entry: Entry, blobs: Sequence[str], unit_bytes: int = UNIT_BYTES) -> Iterator[str]:
+    """Every key a reader may cache a regular file's bytes under: its chunks' keys and, where
+    small chunks are grouped into read units (reader/units.py; `unit_bytes` as the readers'),
+    the units' keys. What the daemon keeps of a live layer when it collects garbage."""
+    for c in entry.chunks:
+        yield chunk_key(c, blobs)
+    if len(entry.chunks) > 1:
+        for u in units(entry, unit_bytes):
+            if isinstance(u, ChunkGroup):
+                yield chunk_key(u, blobs)
+
+
 @dataclass(frozen=True)
 class ReaderConfig:
     fetch_timeout: float = 30.0
@@ -152,6 +168,7 @@ class ReaderConfig:
     max_readahead_tasks: int = 4
     verify_cached: bool = False
     amplify_bytes: int = 0
+    unit_bytes: int = UNIT_BYTES
 
     def __post_init__(self) -> None:
         if self.fetch_timeout <= 0 or self.max_inflight_bytes <= 0 or self.readahead_trigger < 1:
@@ -313,7 +330,7 @@ class LayerReader:
         """File bytes [offset, offset+size) of `entry`, clipped to its size (b"" past the end)."""
         if entry.type is not EntryType.REG:
             raise FormatError(f"{entry.name!r} is a {entry.type.value}, not a regular file")
-        chunks = entry.chunks_for(offset, size)
+        chunks = units_for(entry, offset, size, self.config.unit_bytes)
         if not chunks:
             return b""
         end = min(offset + size, entry.size)
@@ -334,11 +351,11 @@ class LayerReader:
         token = _CAUSE.set("prefetch" if _CAUSE.get() == "on_demand" else _CAUSE.get())
         try:
             if pin:
-                keys = [self.key_for(c) for c in entry.chunks]
+                keys = [self.key_for(c) for c in self.units(entry)]
                 await trio.to_thread.run_sync(cache.pin, keys, limiter=self._cache_limiter)
             step = max(self.config.max_merge_bytes, 1)
             for start in range(0, entry.size, step):
-                await self._ensure_cached(entry.chunks_for(start, step), background=False)
+                await self._ensure_cached(units_for(entry, start, step, self.config.unit_bytes), background=False)
         finally:
             _CAUSE.reset(token)
 
@@ -386,11 +403,16 @@ class LayerReader:
     async def unpin(self, entry: Entry) -> None:
         """Undo `prefetch(entry, pin=True)`."""
         if self.cache is not None and entry.type is EntryType.REG:
-            keys = [self.key_for(c) for c in entry.chunks]
+            keys = [self.key_for(c) for c in self.units(entry)]
             await trio.to_thread.run_sync(self.cache.unpin, keys, limiter=self._cache_limiter)
 
+    def units(self, entry: Entry) -> Sequence[Chunk]:
+        """What this reader fetches and caches of a regular file: its chunks, small ones grouped
+        (reader/units.py). Chunks handed to `fetch_chunks` should be these."""
+        return units(entry, self.config.unit_bytes)
+
     def key_for(self, chunk: Chunk) -> str:
-        """The cache key of one of this layer's chunks (see `chunk_key`)."""
+        """The cache key of one of this layer's chunks or units (see `chunk_key`)."""
         return chunk_key(chunk, self.blobs)
 
     # -- getting chunk bytes -----------------------------------------------------------------
@@ -773,7 +795,7 @@ class LayerReader:
         """Decompress and verify one chunk (runs in a worker thread)."""
         what = f"chunk {key} (blob offset {chunk.blob_offset})"
         try:
-            plain = decompress_chunk(chunk, data)
+            plain = decode_unit(chunk, data, what=what)  # a group checks its parts' digests
         except DigestMismatch:
             raise
         except FormatError as exc:
@@ -928,7 +950,7 @@ class LayerReader:
         # Refill only when less than half the window is left ahead of the reader.
         if begin >= window_end or st.ahead_until - end > cfg.readahead_bytes // 2:
             return
-        ahead = entry.chunks_for(begin, window_end - begin)
+        ahead = units_for(entry, begin, window_end - begin, cfg.unit_bytes)
         if not ahead:
             return
         st.ahead_until = ahead[-1].end

@@ -12,6 +12,7 @@ from bisect import bisect_left
 from collections.abc import Iterable
 
 from snapshotter.formats.index import Chunk, Entry, EntryType
+from snapshotter.reader.units import UNIT_BYTES, units
 
 _BLOB_SHIFT = 48  # position key: blob number above, blob offset below (blobs stay under 256 TiB)
 
@@ -21,15 +22,17 @@ def _position(chunk: Chunk) -> int:
 
 
 class BlobOrder:
-    """The chunks of one layer's regular files sorted by (blob, blob offset).
+    """The read units (reader/units.py, `unit_bytes` as the reader's) of one layer's regular
+    files sorted by (blob, blob offset).
 
-    Built on the first `following` call (a mount that never misses never pays for it). Chunks
-    of all-zero content are left out (they are never fetched); a chunk listed by several
+    Built on the first `following` call (a mount that never misses never pays for it). Units
+    of all-zero content are left out (they are never fetched); a unit listed by several
     entries appears once.
     """
 
-    def __init__(self, entries: Iterable[Entry]) -> None:
+    def __init__(self, entries: Iterable[Entry], unit_bytes: int = UNIT_BYTES) -> None:
         self._entries: Iterable[Entry] | None = entries
+        self._unit_bytes = unit_bytes
         self._chunks: list[Chunk] = []
         self._positions: list[int] = []
 
@@ -40,7 +43,7 @@ class BlobOrder:
         for entry in self._entries:
             if entry.type is not EntryType.REG:
                 continue
-            for c in entry.chunks:
+            for c in units(entry, self._unit_bytes):
                 where = (c.blob_index, c.blob_offset, c.inner_offset, c.size)
                 if not c.zeros and where not in seen:
                     seen.add(where)

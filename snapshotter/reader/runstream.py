@@ -25,9 +25,10 @@ from typing import Protocol
 
 from snapshotter.cache.store import ChunkCache, ChunkWriter
 from snapshotter.errors import CacheError, DigestMismatch, FormatError
-from snapshotter.formats.codec import DEFAULT_PIECE, Buffer, ChunkDecoder
+from snapshotter.formats.codec import DEFAULT_PIECE, Buffer
 from snapshotter.formats.digest import DigestCheck
 from snapshotter.formats.index import Chunk
+from snapshotter.reader.units import UnitDecoder, is_verified
 
 
 @dataclass(slots=True)
@@ -135,7 +136,7 @@ class _ChunkState:
         self.chunk, self.key, self.target = chunk, key, target
         self.end = chunk.blob_offset + chunk.blob_size
         self.check = DigestCheck(chunk.digest, f"chunk {key}") if chunk.digest is not None else None
-        self.decoder = ChunkDecoder(chunk, self._take, max_piece=max_piece)
+        self.decoder = UnitDecoder(chunk, self._take, what=f"chunk {key}", max_piece=max_piece)
         self.outcome: ChunkOutcome | None = None
 
     def _take(self, piece: bytes) -> None:
@@ -168,7 +169,7 @@ class _ChunkState:
     def _bad(self, exc: Exception) -> Exception:
         """As the whole-chunk decode reports it: undecodable bytes of a chunk with a digest are
         a digest mismatch."""
-        if isinstance(exc, FormatError) and not isinstance(exc, DigestMismatch) and self.chunk.digest is not None:
+        if isinstance(exc, FormatError) and not isinstance(exc, DigestMismatch) and is_verified(self.chunk):
             return DigestMismatch(f"chunk {self.key} (blob offset {self.chunk.blob_offset}): "
                                   f"compressed bytes do not decode: {exc}")
         return exc

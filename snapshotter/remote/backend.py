@@ -37,7 +37,7 @@ from snapshotter.errors import (
 from snapshotter.fetch.auth import AuthError
 from snapshotter.fetch.client import RegistryClient, counting_bytes
 from snapshotter.fetch.reference import parse_reference
-from snapshotter.reader import chunk_key
+from snapshotter.reader import cache_keys
 from snapshotter.remote.claims import LayerClaims
 from snapshotter.remote.labels import (
     REMOTE_LABEL,
@@ -377,7 +377,8 @@ class RemoteBackend:
                 log.warning("event=cache_gc_skipped layer=%s error=%r", digest, str(exc))
                 return  # never drop chunks of a layer we could not read the index of
             blobs = blob_digests(index, digest)
-            keys.update(chunk_key(c, blobs) for e in index.regular_files() for c in e.chunks)
+            for e in index.regular_files():
+                keys.update(cache_keys(e, blobs))
         cache_dir = self.sn.root / "cache"
         if not cache_dir.exists():
             return

@@ -20,13 +20,24 @@ from hypothesis import strategies as st
 from snapshotter.cache import ChunkCache
 from snapshotter.errors import DigestMismatch, FetchError, FormatError
 from snapshotter.formats.index import Chunk, Entry
-from snapshotter.reader import BlobOrder, FileRangeSource, LayerReader, ReaderConfig, chunk_key, open_layer_reader
+from snapshotter.reader import (
+    BlobOrder,
+    FileRangeSource,
+    LayerReader,
+    ReaderConfig,
+    cache_keys,
+    chunk_key,
+    open_layer_reader,
+)
 from snapshotter.reader.layer import AMPLIFY_FREE_MISSES
 from snapshotter.reader.source import RangeSink
 from tests.blob.blobs import BuiltBlob, build_blob, file_bytes
 
 CHUNK = 64 << 10
 LAYER = "sha256:" + "1" * 64
+# For tests of the reader's mechanics chunk by chunk (requests, read-ahead, warming per chunk):
+# grouping small chunks into read units, on by default, is tested in test_units.py.
+CHUNKWISE = ReaderConfig(unit_bytes=0)
 
 
 def make_files(seed: int = 1) -> dict[str, bytes]:
@@ -275,7 +286,7 @@ def test_memory_budget_bounds_bytes_in_flight(blob: BuiltBlob) -> None:
     entry = blob.entries["big"]
     biggest = max(c.blob_size + c.inner_offset + c.size for c in entry.chunks)
     budget = 2 * biggest
-    config = ReaderConfig(max_inflight_bytes=budget, max_merge_bytes=1)
+    config = ReaderConfig(max_inflight_bytes=budget, max_merge_bytes=1, unit_bytes=0)
 
     async def main() -> None:
         reader = LayerReader(source, blobs=[LAYER], cache=None, config=config)
@@ -324,10 +335,10 @@ def test_sequential_reads_of_cached_chunks_start_their_disk_reads_ahead(blob: Bu
     cache = ChunkCache(tmp_path, 1 << 30)
     source = CountingSource([blob.path])
     entry = blob.entries["big"]
-    config = ReaderConfig(readahead_bytes=6 * CHUNK, readahead_trigger=2, max_merge_bytes=1)
+    config = ReaderConfig(readahead_bytes=6 * CHUNK, readahead_trigger=2, max_merge_bytes=1, unit_bytes=0)
 
     async def main() -> None:
-        async with open_layer_reader(source, blobs=[LAYER], cache=cache, config=None) as reader:
+        async with open_layer_reader(source, blobs=[LAYER], cache=cache, config=CHUNKWISE) as reader:
             await reader.prefetch(entry)
             keys = {reader.key_for(c) for c in entry.chunks}
             with trio.fail_after(10):  # the cache writes finish in the background
@@ -362,14 +373,15 @@ def test_sequential_reads_finishing_out_of_order_keep_one_read_ahead_stream(blob
         return real_warm(keys)
 
     async def main() -> int:
-        async with open_layer_reader(FileRangeSource([blob.path]), blobs=[LAYER], cache=cache) as reader:
+        async with open_layer_reader(FileRangeSource([blob.path]), blobs=[LAYER], cache=cache,
+                                     config=CHUNKWISE) as reader:
             await reader.prefetch(entry)
             keys = {reader.key_for(c) for c in entry.chunks}
             with trio.fail_after(10):  # the cache writes finish in the background
                 while cache.present(keys) != keys:
                     await trio.sleep(0.01)
         cache.warm = counting_warm  # type: ignore[method-assign]
-        config = ReaderConfig(readahead_bytes=3 * step, readahead_trigger=2)
+        config = ReaderConfig(readahead_bytes=3 * step, readahead_trigger=2, unit_bytes=0)
         async with open_layer_reader(FileRangeSource([blob.path]), blobs=[LAYER], cache=cache,
                                      config=config) as reader:
             for off in order:
@@ -409,7 +421,8 @@ def test_read_ahead_reads_a_windows_cached_chunks_into_memory_on_several_threads
     all_keys: list[str] = []
 
     async def main() -> tuple[list[str], int]:
-        async with open_layer_reader(FileRangeSource([blob.path]), blobs=[LAYER], cache=cache) as reader:
+        async with open_layer_reader(FileRangeSource([blob.path]), blobs=[LAYER], cache=cache,
+                                     config=CHUNKWISE) as reader:
             await reader.prefetch(entry)
             all_keys.extend(reader.key_for(c) for c in entry.chunks)
             keys = set(all_keys)
@@ -417,7 +430,7 @@ def test_read_ahead_reads_a_windows_cached_chunks_into_memory_on_several_threads
                 while cache.present(keys) != keys:
                     await trio.sleep(0.01)
         cache.warm = slow_warm  # type: ignore[method-assign]
-        config = ReaderConfig(readahead_bytes=len(entry.chunks) * CHUNK, readahead_trigger=2)
+        config = ReaderConfig(readahead_bytes=len(entry.chunks) * CHUNK, readahead_trigger=2, unit_bytes=0)
         async with open_layer_reader(FileRangeSource([blob.path]), blobs=[LAYER], cache=cache,
                                      config=config) as reader:
             await _read_first_two_chunks(reader, blob, entry)
@@ -476,8 +489,10 @@ def test_two_layers_sharing_content_store_it_once(tmp_path: Path) -> None:
     src_b = CountingSource([b.path])
 
     async def main() -> None:
-        ra = LayerReader(FileRangeSource([a.path]), blobs=["sha256:" + "a" * 64], cache=cache)
-        rb = LayerReader(src_b, blobs=["sha256:" + "b" * 64], cache=cache)
+        # Chunk by chunk: the two blobs' different inner offsets group their chunks differently
+        # (test_units.py shows a file grouped alike in two layers stored once).
+        ra = LayerReader(FileRangeSource([a.path]), blobs=["sha256:" + "a" * 64], cache=cache, config=CHUNKWISE)
+        rb = LayerReader(src_b, blobs=["sha256:" + "b" * 64], cache=cache, config=CHUNKWISE)
         e = a.entries["big"]
         assert await ra.read(e, 0, e.size) == files["big"]
         used = cache.usage()
@@ -642,10 +657,11 @@ def test_gc_with_chunk_keys_of_live_layers(tmp_path: Path) -> None:
                 await reader.read(e, 0, e.size)
 
     trio.run(fill)
-    referenced = {chunk_key(c, blobs["live"]) for c in all_chunks(live)}
+    # What the daemon keeps of a live layer: its chunks' keys and its read units' (grouped chunks).
+    referenced = {k for e in live.entries.values() for k in cache_keys(e, blobs["live"])}
+    assert any(k.startswith("group:") for k in referenced)
     removed = cache.gc(referenced)
     assert removed.chunks == len(all_chunks(dead))
-    assert cache.present(referenced) == referenced
     assert cache.usage().bytes == sum(len(v) for v in live.contents.values())
 
 
@@ -706,7 +722,7 @@ def test_one_corrupt_chunk_in_a_merged_run_fails_alone(blob: BuiltBlob) -> None:
         outcome["last"] = await reader.read(e, 2 * CHUNK, 100)
 
     async def main() -> None:
-        reader = LayerReader(source, blobs=[LAYER], cache=None)
+        reader = LayerReader(source, blobs=[LAYER], cache=None, config=CHUNKWISE)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(whole, reader)
             nursery.start_soon(last_chunk, reader)

@@ -12,6 +12,7 @@ from snapshotter.cache import ChunkCache
 from snapshotter.errors import FetchError
 from snapshotter.fetch import FetchConfig, RegistryClient
 from snapshotter.reader import BlobOrder, LayerReader, ReaderConfig, RegistryRangeSource, open_layer_reader
+from snapshotter.reader.units import units_for
 from tests.blob.blobs import build_blob, file_bytes
 from tests.fetch.registry import RegistryProcess, push_blob
 
@@ -46,8 +47,8 @@ def test_reads_through_registry_client(registry: RegistryProcess, tmp_path: Path
     out, fetched = trio.run(main)
     for i, (name, off, size) in enumerate(reads):
         assert out[i] == files[name][off:off + size]
-    touched = {c.blob_offset for name, off, size in reads for c in built.entries[name].chunks_for(off, size)}
-    assert fetched == len(touched)  # each needed chunk fetched exactly once
+    touched = {c.blob_offset for name, off, size in reads for c in units_for(built.entries[name], off, size)}
+    assert fetched == len(touched)  # each needed read unit (small chunks grouped) fetched exactly once
 
 
 def test_missing_blob_is_fetch_error(registry: RegistryProcess, tmp_path: Path) -> None:

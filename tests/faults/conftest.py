@@ -12,20 +12,25 @@ it the profile is left alone, so the rest of the suite keeps its settings.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import signal
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
 
 from integration.lab import Lab, LabError, mount_processes, mounts_under, pids_mentioning
+from snapshotter.cache.keys import group_key
+from snapshotter.reader.units import UNIT_BYTES
+from tests.faults.imagekit import CHUNK
 from tests.faults.proxy import FaultProxy
 
 settings.register_profile("long", max_examples=20_000, deadline=None,
@@ -203,12 +208,30 @@ def cache_files(root: Path) -> dict[str, Path]:
     return out
 
 
-def assert_cache_holds_only_verified_bytes(root: Path) -> int:
-    """Every sha256 chunk file's content hashes to its name; returns how many were checked."""
-    import hashlib
+def file_cache_keys(data: bytes, chunk: int = CHUNK) -> set[str]:
+    """The cache keys a mount keeps a file of the test images under: its one chunk's digest,
+    or the key of the read unit that groups its chunks (reader/units.py: a file of several
+    chunks stored back to back, within one 4 MiB window, is one unit)."""
+    digests = ["sha256:" + hashlib.sha256(data[i:i + chunk]).hexdigest() for i in range(0, len(data), chunk)]
+    if len(digests) <= 1:
+        return set(digests)
+    assert len(data) <= UNIT_BYTES, "a test file of more than one read unit"
+    return {group_key(digests)}
 
+
+def assert_cache_holds_only_verified_bytes(root: Path, files: Mapping[str, bytes] = MappingProxyType({})) -> int:
+    """Every sha256 chunk file's content hashes to its name, and every read unit's file of one
+    of `files` holds that file's bytes (units of other files are not checked: their key names
+    the parts' digests, not the content); returns how many cache files were checked."""
+    units = {k: data for data in files.values() if len(data) > CHUNK for k in file_cache_keys(data)}
     checked = 0
     for key, p in cache_files(root).items():
+        if key.startswith("group:"):
+            if key not in units:
+                continue
+            assert p.read_bytes() == units[key], f"cache file {p} holds wrong bytes"
+            checked += 1
+            continue
         algo, _, hexd = key.partition(":")
         if algo != "sha256" or not re.fullmatch(r"[0-9a-f]{64}", hexd):
             continue

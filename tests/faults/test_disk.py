@@ -26,6 +26,7 @@ from tests.faults.conftest import (
     cleanup_rpc,
     fallback_line,
     fault_lab,
+    file_cache_keys,
     gc_backend,
 )
 
@@ -78,9 +79,10 @@ def test_cache_at_cap_evicts_and_reads_keep_succeeding(dlab: FaultLab) -> None:
     assert len(sums) == 10 and all(s == sha(files[n]) for s, n in sums), out
     counted, on_disk = _cache_usage(dlab.root)
     assert counted == on_disk <= CACHE_CAP, (counted, on_disk)
-    total_chunks = sum(-(-len(d) // imagekit.CHUNK) for d in files.values())
-    assert len(cache_files(dlab.root)) < total_chunks, "nothing was evicted"
-    assert assert_cache_holds_only_verified_bytes(dlab.root) > 0
+    # Each file's chunks are cached as one read unit (reader/units.py).
+    total_units = sum(len(file_cache_keys(d)) for d in files.values())
+    assert len(cache_files(dlab.root)) < total_units, "nothing was evicted"
+    assert assert_cache_holds_only_verified_bytes(dlab.root, files) > 0
     # Each chunk was fetched at least once; evicted ones again on the second pass.
     assert len(dlab.proxy.seen(f"/blobs/{pushed.data_layer}")) > 2
 
@@ -148,7 +150,7 @@ def test_disk_full_gives_clear_errors_and_keeps_metadata_sound(dlab: FaultLab) -
     dlab.lab.ctr("snapshots", "--snapshotter", "lazy", "rm", "full-probe", check=False)
     cleanup_rpc(dlab.lab)
     assert_metadata_consistent(dlab.root)
-    assert_cache_holds_only_verified_bytes(dlab.root)
+    assert_cache_holds_only_verified_bytes(dlab.root, lazy.files)
     # Space back: everything works again, also after a restart.
     code, out = dlab.run(lazy.ref, "full-after", "sha256sum", "/data/f1")
     assert code == 0 and out.split()[0] == sha(lazy.files["/data/f1"]), out

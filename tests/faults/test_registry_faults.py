@@ -18,6 +18,7 @@ from tests.faults.conftest import (
     assert_cache_holds_only_verified_bytes,
     cache_files,
     fallback_line,
+    file_cache_keys,
 )
 from tests.faults.proxy import Rule
 
@@ -118,8 +119,8 @@ def test_registry_down_after_resolve_gives_eio_then_recovers(flab: FaultLab) -> 
 # -- 3. corrupt or wrong answers ------------------------------------------------------------------
 
 def _chunk_keys(files: dict[str, bytes], name: str) -> set[str]:
-    data = files[name]
-    return {"sha256:" + sha(data[i:i + imagekit.CHUNK]) for i in range(0, len(data), imagekit.CHUNK)}
+    """The keys the file's bytes are cached under (its chunks are grouped into one read unit)."""
+    return file_cache_keys(files[name])
 
 
 # action, rule extras, whether a single fault is survived (retried/refetched) by the reader
@@ -162,7 +163,7 @@ def test_bad_answers_never_reach_the_cache(flab: FaultLab, corrupt_image: imagek
     flab.proxy.clear()
     # Bad bytes never land in the cache; chunks of the same answer that verified may (flip
     # corrupts one chunk of a merged range), but not all of the failed file is there.
-    assert_cache_holds_only_verified_bytes(flab.root)
+    assert_cache_holds_only_verified_bytes(flab.root, pushed.files)
     keys = _chunk_keys(pushed.files, always)
     cached = keys & set(cache_files(flab.root))
     assert cached != keys, "every chunk of the failed read is in the cache"
@@ -181,7 +182,7 @@ def test_bad_answers_never_reach_the_cache(flab: FaultLab, corrupt_image: imagek
     # The registry healthy again: the file that failed reads correctly.
     code, out = flab.run(pushed.ref, f"bad-{n}-healed", "sha256sum", always)
     assert code == 0 and out.split()[0] == sha(pushed.files[always]), out
-    assert assert_cache_holds_only_verified_bytes(flab.root) > 0
+    assert assert_cache_holds_only_verified_bytes(flab.root, pushed.files) > 0
 
 
 def test_fallback_reason_comes_from_the_status_not_the_message() -> None:

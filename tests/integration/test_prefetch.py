@@ -34,8 +34,10 @@ PY = str(REPO_ROOT / ".venv" / "bin" / "python")
 APP_FILES = {f"app/f{i:02d}": images.deterministic_bytes(20_000 + 1_000 * i, seed=100 + i) for i in range(40)}
 READ = ["app/f03", "app/f17", "app/f29", "app/f08", "app/f33"]
 START_CMD = "cat " + " ".join("/" + p for p in READ) + " > /dev/null && echo started"
-BIG = 3 * 1024 * 1024
-RATE = 1_000_000  # bytes/s: the big layer takes ~3 s in the background
+# The reader fetches a file's small chunks in read units of up to 4 MiB (reader/units.py), and a
+# paced background fetch cannot split one: 16 MiB give four paced requests.
+BIG = 16 * 1024 * 1024
+RATE = 5_000_000  # bytes/s: the big layer takes ~3.4 s in the background
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -308,7 +310,7 @@ def test_background_fetch_fills_the_cache_under_its_cap(lab: Lab, big_image: str
         finally:
             lab.ctr("snapshots", "--snapshotter", "lazy", "rm", key, check=False)
     big = [g for g in background if g.digest == digests[-1]]
-    assert all(g.status == 206 for g in big) and len(big) >= 8
+    assert all(g.status == 206 for g in big) and len(big) >= 4
     # Paced: request k starts when the bytes of requests 0..k-1 at RATE have taken their time.
     measured = sum(g.written for g in big[:-1]) / (big[-1].start - big[0].start)
     assert abs(measured - RATE) <= 0.1 * RATE, f"measured {measured:.0f} B/s, cap {RATE}"
