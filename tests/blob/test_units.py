@@ -198,3 +198,35 @@ def test_reader_fetches_and_caches_a_group_as_one_piece(tmp_path: Path) -> None:
         assert not cache.contains(chunk_key(groups[1], [BLOB]))
     finally:
         cache.close()
+
+
+def test_a_file_grouped_alike_in_two_layers_is_cached_once(tmp_path: Path) -> None:
+    """Group keys are made of the parts' digests: the same file stored at another offset of
+    another blob maps to the same cache files."""
+    unit = 256 << 10
+    chunks, blob, plain = _zstd_parts(random.Random(6), [64 << 10] * 6)
+    lead = zstandard.ZstdCompressor().compress(b"another layer's files first")
+    (tmp_path / "a").write_bytes(blob)
+    (tmp_path / "b").write_bytes(lead + blob)
+    moved = [Chunk(**{**{f: getattr(c, f) for f in Chunk.__dataclass_fields__},
+                      "blob_offset": c.blob_offset + len(lead)}) for c in chunks]
+    in_a = Entry(name="f", type=EntryType.REG, size=len(plain), chunks=tuple(chunks))
+    in_b = Entry(name="g", type=EntryType.REG, size=len(plain), chunks=tuple(moved))
+    source_b = _Counting(tmp_path / "b")
+    cache = ChunkCache(tmp_path / "cache", 1 << 30)
+    config = ReaderConfig(unit_bytes=unit)
+
+    async def main() -> None:
+        a = LayerReader(FileRangeSource([tmp_path / "a"]), blobs=["sha256:" + "a" * 64], cache=cache, config=config)
+        b = LayerReader(source_b, blobs=["sha256:" + "b" * 64], cache=cache, config=config)
+        assert await a.read(in_a, 0, in_a.size) == plain
+        used = cache.usage()
+        assert used.chunks == 2 and used.bytes == len(plain)
+        assert await b.read(in_b, 0, in_b.size) == plain
+        assert cache.usage() == used
+
+    try:
+        trio.run(main)
+    finally:
+        cache.close()
+    assert source_b.calls == []
