@@ -34,7 +34,7 @@ import logging
 import os
 import random
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -359,6 +359,17 @@ class RegistryClient:
     def forget_hosts(self) -> None:
         """Read hosts.toml again on the next request (a long-lived client calls this per job)."""
         self._hosts.clear()
+
+    def plain_http_hosts(self) -> frozenset[str]:
+        """Hosts this client found answering plain HTTP only (a TLS attempt failed to connect
+        and the host allows falling back: loopback registries, hosts.toml's `http://` origin)."""
+        return frozenset(self._plain_http)
+
+    def assume_plain_http(self, hosts: Iterable[str]) -> None:
+        """Talk plain HTTP to these hosts at once where falling back is allowed: another process
+        (the daemon, for a mount process) already found they answer plain HTTP only, so the
+        first request need not try TLS first. Hosts that must use TLS are not affected."""
+        self._plain_http.update(hosts)
 
     def use_plain_http(self, registry: str) -> None:
         """Talk plain HTTP (no TLS attempt) to every host of `registry` (a CLI's --plain-http)."""

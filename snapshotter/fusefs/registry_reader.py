@@ -27,6 +27,9 @@ async def _shared(env: ReaderEnv) -> tuple[Config, RegistryClient, ChunkCache]:
     if "registry_client" not in env.shared:
         config = config_from_mapping(dict(env.state.doc.get("config") or {}), path="mount state config")
         client = RegistryClient(fetch_config_from(config))
+        hosts = env.state.doc.get("plain_http_hosts") or []
+        if isinstance(hosts, list):
+            client.assume_plain_http(h for h in hosts if isinstance(h, str))
         await env.stack.enter_async_context(client)
         cache = ChunkCache(Path(config.root) / "cache", config.cache.max_bytes)
         env.stack.callback(cache.close)

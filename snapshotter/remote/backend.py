@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -77,7 +77,7 @@ class Mounter(Protocol):
     """Starts, finds and stops per-image mount processes (remote/mounts.py)."""
 
     def ensure(self, mount_id: str, runs: list[list[RemoteLayer]], *, bare_runs: tuple[int, ...] = (),
-               ahead: bool = False) -> str: ...
+               ahead: bool = False, plain_http_hosts: Collection[str] = ()) -> str: ...
     def release(self, mount_id: str) -> None: ...
     def mounted_ids(self) -> set[str]: ...
 
@@ -250,7 +250,8 @@ class RemoteBackend:
             return self.sn.local_lowers(snap)
         runs, placement, bare = plan
         with self._mount_lock:
-            mountpoint = self.mounter.ensure(snap.parent_ids[0], runs, bare_runs=bare)
+            mountpoint = self.mounter.ensure(snap.parent_ids[0], runs, bare_runs=bare,
+                                             plain_http_hosts=self.resolve_loop.plain_http_hosts())
         bottom_up_dirs = [f"{mountpoint}/{where}" if kind == "run" else str(where) for kind, where in placement]
         return list(reversed(bottom_up_dirs))
 
@@ -295,7 +296,8 @@ class RemoteBackend:
                 return
             runs, _placement, bare = plan
             with self._mount_lock:
-                self.mounter.ensure(top.id, runs, bare_runs=bare, ahead=True)
+                self.mounter.ensure(top.id, runs, bare_runs=bare, ahead=True,
+                                    plain_http_hosts=self.resolve_loop.plain_http_hosts())
         except Exception as exc:
             log.warning("event=mount_ahead_failed mount=%s error=%r; the first container mounts it", top.id, exc)
             return

@@ -37,6 +37,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 from snapshotter import metrics
@@ -155,10 +156,11 @@ class MountManager:
         return {m: self._pid(m) for m in sorted(self.mounted_ids())}
 
     def ensure(self, mount_id: str, runs: list[list[RemoteLayer]], *, bare_runs: tuple[int, ...] = (),
-               ahead: bool = False) -> str:
+               ahead: bool = False, plain_http_hosts: Collection[str] = ()) -> str:
         """The mountpoint of image `mount_id`, starting its mount process if it is not serving.
         ahead=True: mounted before any container asked (its background fetch waits until a
-        later call without `ahead` marks it in use, or a read)."""
+        later call without `ahead` marks it in use, or a read). plain_http_hosts: registry hosts
+        the daemon found answering plain HTTP only, handed to a newly started mount process."""
         mnt, state, pidf, logf = self._paths(mount_id)
         in_use = self.dir / mount_id / IN_USE_FILE
         with self._lock:
@@ -182,6 +184,8 @@ class MountManager:
                 "fetch_timeout": self.config.fetch_timeout,
                 "bare_runs": list(bare_runs),
                 "in_use_file": str(in_use),
+                # What the daemon learned: the mount's first read need not try TLS first.
+                "plain_http_hosts": sorted(plain_http_hosts),
                 "config": dataclasses.asdict(self.config),
                 "runs": [[{"index": layer.index_path, "layer_digest": layer.layer_digest,
                            "reader": {"kind": "registry", "image_ref": layer.image_ref,

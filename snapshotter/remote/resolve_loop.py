@@ -45,6 +45,11 @@ class ResolveLoop:
 
         return trio.from_thread.run(in_loop, trio_token=token)
 
+    def plain_http_hosts(self) -> frozenset[str]:
+        """Registry hosts the loop's client found answering plain HTTP only (empty before it ran)."""
+        client = self._client
+        return client.plain_http_hosts() if client is not None else frozenset()
+
     def start_in_background(self) -> None:
         """Start the loop and build the default TLS context on a thread of their own, so the
         daemon's first Prepare does not pay for them (about 20 ms). Errors are left for the

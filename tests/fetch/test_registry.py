@@ -189,3 +189,25 @@ def test_concurrent_first_requests_all_fall_back_to_plain_http_without_retrying(
     assert got == {i: data[i * 100:i * 100 + 100] for i in range(4)}
     assert "attempt 1/" not in caplog.text
     assert caplog.text.count("falling back to plain HTTP") == 1
+
+
+def test_hosts_known_to_answer_plain_http_get_no_tls_attempt(image: PushedImage,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """What one client learned (the daemon's), another is told (a mount process's): its first
+    request goes straight to plain HTTP."""
+    caplog.set_level(logging.INFO, logger="snapshotter.fetch")
+    learned: set[str] = set()
+
+    async def main() -> None:
+        async with RegistryClient(FAST) as first:
+            assert first.plain_http_hosts() == frozenset()
+            await first.resolve(image.ref)
+            learned.update(first.plain_http_hosts())
+        async with RegistryClient(FAST) as told:
+            told.assume_plain_http(learned)
+            assert (await told.resolve(image.ref)).digest == image.manifest_digest
+            assert told.stats.retries == 0
+
+    trio.run(main)
+    assert learned == {image.registry}
+    assert caplog.text.count("falling back to plain HTTP") == 1, "the told client tried TLS"

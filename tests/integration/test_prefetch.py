@@ -301,6 +301,8 @@ def test_background_fetch_fills_the_cache_under_its_cap(lab: Lab, big_image: str
                 assert time.monotonic() < deadline, (mount_dir / "log").read_text()[-3000:]
                 time.sleep(0.1)
             background = [g for g in blob_gets(lab, "bgf")[after_pull:] if g.digest in digests]
+            # The daemon told the mount process that the loopback registry has no TLS.
+            assert "no TLS answer" not in (mount_dir / "log").read_text()
             # Reading the whole image (every file of every layer the mount serves) now makes no
             # registry request.
             shas = _tree_sha(mount_dir / "mnt")

@@ -7,7 +7,7 @@ import io
 import logging
 import tarfile
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import pytest
@@ -50,11 +50,13 @@ class FakeMounter:
         self.released: list[str] = []
         self.bare: dict[str, tuple[int, ...]] = {}
         self.ahead: dict[str, bool] = {}
+        self.plain_http: dict[str, set[str]] = {}
 
     def ensure(self, mount_id: str, runs: list[list[RemoteLayer]], *, bare_runs: tuple[int, ...] = (),
-               ahead: bool = False) -> str:
+               ahead: bool = False, plain_http_hosts: Collection[str] = ()) -> str:
         self.ensured[mount_id] = runs
         self.ahead[mount_id] = ahead
+        self.plain_http[mount_id] = set(plain_http_hosts)
         self.bare[mount_id] = bare_runs
         return str(self.tmp / "mnt" / mount_id)
 
@@ -132,6 +134,9 @@ def test_the_last_layer_of_an_image_is_mounted_ahead(registry: RegistryProcess,
         time.sleep(0.05)
     assert [[layer.layer_digest for layer in run] for run in mounter.ensured[top_id]] == [[low, top]]
     assert mounter.ahead[top_id] is True and mounter.bare[top_id] == (0,)
+    # The loopback registry answers plain HTTP only: the mount process is told, so its first
+    # read does not try TLS first (as the daemon's first request did).
+    assert mounter.plain_http[top_id] == {registry.host}
 
 
 def _wait_stored(be: RemoteBackend, digests: list[str], timeout: float = 10.0) -> None:
