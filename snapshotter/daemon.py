@@ -226,7 +226,10 @@ def run(config: Config) -> int:
     daemon = Daemon(config)
     try:
         daemon.start()
-        while not stop.wait(3600):
+        # Short waits: the kernel hands a process signal to any thread that does not block it,
+        # and Python runs the handler in the main thread only once that thread runs Python code
+        # again. A wait of an hour could ignore a `systemctl stop` (then SIGKILL) that long.
+        while not stop.wait(0.5):
             pass
         log.info("event=signal signal=%s", signal.Signals(received[0]).name if received else "?")
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import signal
 import socket
 import subprocess
@@ -113,6 +114,30 @@ def test_signal_stops_cleanly_and_stale_socket_is_replaced(tmp_path: Path, sig: 
     assert proc.returncode == 0, err
     assert "event=stale_socket_removed" in err and "event=stopped" in err
     assert not sock.exists()
+
+
+def _tgkill(pid: int, tid: int, sig: int) -> None:
+    """Send `sig` to one thread of a process (what the kernel may do with a process signal)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(234, pid, tid, sig) != 0:  # SYS_tgkill on x86_64
+        raise OSError(ctypes.get_errno(), "tgkill failed")
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="calls tgkill by its x86_64 syscall number")
+def test_a_signal_taken_by_another_thread_still_stops_the_daemon(tmp_path: Path) -> None:
+    """The kernel hands a process signal to any thread that does not block it. Python runs the
+    handler in the main thread, which must not then sleep on until a long timeout ends (it
+    waited up to an hour: a `systemctl stop` would have ended in SIGKILL)."""
+    sock = tmp_path / "run" / "s.sock"
+    proc = _serve(tmp_path)
+    _wait_socket(sock, proc)
+    others = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid]
+    assert others, "the daemon runs worker threads"
+    _tgkill(proc.pid, max(others), signal.SIGTERM)
+    _out, err = proc.communicate(timeout=START_TIMEOUT)
+    assert proc.returncode == 0 and "event=stopped" in err, err
 
 
 def test_refuses_socket_a_live_daemon_serves(tmp_path: Path) -> None:
