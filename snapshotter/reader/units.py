@@ -2,7 +2,7 @@
 
 The chunk cache keeps one file per cached piece, and a warm read of 1 MiB files (Nydus's
 default chunk size) costs the kernel about twice the system time of 4 MiB files: per-file
-read-ahead and lookup work (docs/operations.md, "Small chunk files"). So a reader treats a file's
+read-ahead and lookup work (docs/operations.md, "Small chunks are read ... in units"). So a reader treats a file's
 consecutive small chunks that are stored back to back in a blob as one `ChunkGroup`: one range,
 one cache file, each part still checked against its own digest. Pure: no IO.
 
@@ -30,8 +30,8 @@ from snapshotter.formats.codec import DEFAULT_PIECE, Buffer, ChunkDecoder
 from snapshotter.formats.digest import DigestCheck
 from snapshotter.formats.index import Chunk, Entry
 
-# 4 MiB: the size of eStargz's chunks, which read warm at the speed the benchmark asks for
-# (a Nydus image converted with 4 MiB chunks read as fast as eStargz; with 1 MiB ones, 37% slower).
+# 4 MiB: the size of our eStargz's chunks, which read warm at the speed the benchmark asks for (a
+# Nydus image converted with 4 MiB chunks read as fast as eStargz; with 1 MiB ones it took 37% longer).
 UNIT_BYTES = 4 << 20
 
 
