@@ -163,6 +163,7 @@ def test_sd_notify_ready(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "snapshotter.cli", "serve", "--root", str(tmp_path / "root"),
                              "--address", str(tmp_path / "run" / "s.sock")], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _started.append(proc)  # stopped by the fixture if this test fails before it stops it
     try:
         assert listener.recv(256) == b"READY=1"
         assert (tmp_path / "run" / "s.sock").exists()
