@@ -66,7 +66,7 @@ from snapshotter.reader.budget import ByteBudget
 from snapshotter.reader.neighbours import BlobOrder
 from snapshotter.reader.runstream import CacheTarget, ChunkOutcome, MemoryTarget, RunDecoder, TargetFactory
 from snapshotter.reader.source import RangeSource, StreamingRangeSource
-from snapshotter.reader.units import UNIT_BYTES, ChunkGroup, decode_unit, units, units_for
+from snapshotter.reader.units import UNIT_BYTES, ChunkGroup, decode_unit, is_verified, units, units_for
 
 log = logging.getLogger(__name__)
 
@@ -799,7 +799,7 @@ class LayerReader:
         except DigestMismatch:
             raise
         except FormatError as exc:
-            if chunk.digest is not None:
+            if is_verified(chunk):
                 raise DigestMismatch(f"{what}: compressed bytes do not decode: {exc}") from exc
             raise
         if chunk.digest is not None:

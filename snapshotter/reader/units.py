@@ -22,7 +22,8 @@ makes "group:HEX" of it, cache/keys.py), so a file chunked alike in two layers i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from snapshotter.errors import DigestMismatch, FormatError
@@ -145,15 +146,22 @@ class UnitDecoder:
     def _part_name(self, part: Chunk) -> str:
         return f"{self._what}, part at blob offset {part.blob_offset}"
 
-    def _end_part(self) -> None:
-        assert self._part is not None and self._check is not None
-        part = self._parts[self._next]
+    @contextmanager
+    def _part_errors(self) -> Iterator[None]:
+        """Bytes of the current part that do not decode are a digest mismatch naming the part
+        (every part has a digest)."""
         try:
-            self._part.finish()
+            yield
         except DigestMismatch:
             raise
         except FormatError as exc:
-            raise DigestMismatch(f"{self._part_name(part)}: compressed bytes do not decode: {exc}") from exc
+            raise DigestMismatch(f"{self._part_name(self._parts[self._next])}: compressed bytes do not "
+                                 f"decode: {exc}") from exc
+
+    def _end_part(self) -> None:
+        assert self._part is not None and self._check is not None
+        with self._part_errors():
+            self._part.finish()
         self._check.verify()
         self._next += 1
         self._part = self._check = None
@@ -167,13 +175,8 @@ class UnitDecoder:
         view = memoryview(data)
         while len(view) and self._part is not None:
             n = min(self._left, len(view))
-            try:
+            with self._part_errors():
                 self._part.feed(view[:n])
-            except DigestMismatch:
-                raise
-            except FormatError as exc:
-                raise DigestMismatch(f"{self._part_name(self._parts[self._next])}: compressed bytes do not "
-                                     f"decode: {exc}") from exc
             self._left -= n
             view = view[n:]
             if self._left == 0:
