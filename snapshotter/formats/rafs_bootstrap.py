@@ -6,6 +6,10 @@ blob table (4 KiB aligned) | prefetch table | metadata area: one empty block, th
 index array of a regular file) | full data blocks of directories/symlinks | chunk-info table |
 padding to 4 KiB.
 
+Metadata-only images (`metadata_only=True`, used for overlayfs metacopy lower layers): every
+regular file is chunk-based with one chunk as large as the file and a 4-byte block map entry
+EROFS_NULL_ADDR, so it has its size but no data (a read gives zeros); there are no blobs.
+
 Placement rules the kernel relies on: an inode and its xattrs never straddle a block when they
 fit in one; an inline tail is in the same block as its inode (else the layout is FLAT_PLAIN
 and the tail gets its own block); a dirent and its name never straddle a block.
@@ -26,6 +30,18 @@ if TYPE_CHECKING:
 
 BS = 4096
 _BLKBITS = 12
+
+
+_BLOCK_MAP_ENTRY = 4  # an EROFS block map entry: a 32-bit block address (chunk-based without INDEXES)
+_MAX_CHUNK_BITS = _BLKBITS + 31  # the chunk format's 5 bits of chunk size above the block size
+
+
+def _hole_chunk_bits(size: int) -> int:
+    """log2 of the chunk size that covers a file of `size` bytes in one chunk (at least a block)."""
+    bits = max(_BLKBITS, (size - 1).bit_length())
+    if bits > _MAX_CHUNK_BITS:
+        raise FormatError(f"a file of {size} bytes is too large for an EROFS metadata image")
+    return bits
 
 
 def _round_up(n: int, a: int) -> int:
@@ -99,10 +115,15 @@ class _Inode:
 
 
 def build_bootstrap(root: _Node, blobs: Sequence[L.BlobEntry], *, chunk_size: int, compression: Compression,
-                    digest_algo: str, prefetch: Sequence[str], compact_inodes: bool = False) -> bytes:
+                    digest_algo: str, prefetch: Sequence[str], compact_inodes: bool = False,
+                    metadata_only: bool = False) -> bytes:
     """The bootstrap bytes. compact_inodes: use 32-byte inodes where ids, nlink, size and mtime
     allow (mtime as seconds after the build time, the oldest mtime with the most common
-    nanoseconds); nydusd itself ignores compact mtimes, the kernel does not."""
+    nanoseconds); nydusd itself ignores compact mtimes, the kernel does not. metadata_only:
+    regular files are holes of their size (see the module docstring); `blobs` must be empty
+    and the nodes' chunks are ignored."""
+    if metadata_only and blobs:
+        raise ValueError("a metadata-only image has no blobs")
     # 1. Inodes in DFS preorder; a node reached twice (hard link) keeps its first inode.
     inodes: list[_Inode] = []
     by_id: dict[int, _Inode] = {}
@@ -124,8 +145,11 @@ def build_bootstrap(root: _Node, blobs: Sequence[L.BlobEntry], *, chunk_size: in
         if node.is_dir:
             children = sorted(node.children.items())
             for name, child in reversed(children):
-                child_path = f"{path}/{name.decode('utf-8', 'surrogateescape')}" if path else name.decode(
-                    "utf-8", "surrogateescape")
+                if prefetch:  # paths are only needed to find the prefetch table's inodes
+                    child_path = f"{path}/{name.decode('utf-8', 'surrogateescape')}" if path else name.decode(
+                        "utf-8", "surrogateescape")
+                else:
+                    child_path = ""
                 stack.append((child, ino, child_path))
     for ino in inodes:
         if ino.node.is_dir:
@@ -175,7 +199,10 @@ def build_bootstrap(root: _Node, blobs: Sequence[L.BlobEntry], *, chunk_size: in
                 cursor += tail
         elif stat.S_ISREG(node.mode):
             ino.layout = L.LAYOUT_CHUNK_BASED
-            cursor = _round_up(cursor, 8) + L.CHUNK_INDEX_SIZE * len(node.chunks)
+            if metadata_only:
+                cursor = _round_up(cursor, _BLOCK_MAP_ENTRY) + (_BLOCK_MAP_ENTRY if ino.size else 0)
+            else:
+                cursor = _round_up(cursor, 8) + L.CHUNK_INDEX_SIZE * len(node.chunks)
     if inodes[0].nid > 0xFFFF:
         raise FormatError("root nid does not fit the superblock")
 
@@ -204,6 +231,8 @@ def build_bootstrap(root: _Node, blobs: Sequence[L.BlobEntry], *, chunk_size: in
         has_xattr |= bool(ino.xattrs)
         if node.is_dir or stat.S_ISLNK(node.mode):
             i_u = ino.raw_blkaddr
+        elif stat.S_ISREG(node.mode) and metadata_only:
+            i_u = _hole_chunk_bits(ino.size) - _BLKBITS  # a block map (no INDEXES flag) of one chunk
         elif stat.S_ISREG(node.mode):
             i_u = L.CHUNK_FORMAT_INDEXES | ((chunk_size.bit_length() - 1) - _BLKBITS)
         elif stat.S_ISCHR(node.mode) or stat.S_ISBLK(node.mode):
@@ -224,6 +253,11 @@ def build_bootstrap(root: _Node, blobs: Sequence[L.BlobEntry], *, chunk_size: in
         pos += len(rec)
         out[pos:pos + len(ino.xattrs)] = ino.xattrs
         pos += len(ino.xattrs)
+        if stat.S_ISREG(node.mode) and metadata_only:
+            if ino.size:
+                pos = _round_up(pos, _BLOCK_MAP_ENTRY)
+                out[pos:pos + _BLOCK_MAP_ENTRY] = L.EROFS_NULL_ADDR.to_bytes(_BLOCK_MAP_ENTRY, "little")
+            continue
         if stat.S_ISREG(node.mode):
             pos = _round_up(pos, 8)
             for c in node.chunks:
