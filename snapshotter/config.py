@@ -79,6 +79,10 @@ class Config:
     spare_mount_process: bool = field(default=True, metadata={
         "doc": "keep one mount process started ahead, so an image's mount skips Python start-up (about 37 MiB "
                "while it waits)"})
+    metadata_image: bool = field(default=True, metadata={
+        "doc": "once an image's mount serves, build an EROFS image of its file tree in the background and mount "
+               "it, so later containers of the image get lookups, stats and directory listings from the kernel "
+               "and reach the FUSE mount only to read file bytes (needs Linux 6.5+; checked, else off)"})
     registry: RegistryConfig = field(default_factory=RegistryConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)

@@ -51,7 +51,7 @@ from snapshotter.remote.resolve_loop import ResolveLoop
 from snapshotter.remote.resolver import NYDUS_BLOB_FORMAT, NotLazy, ResolvedLayer, resolve_layer
 from snapshotter.remote.settings import fetch_config_from
 from snapshotter.remote.store import LayerMeta, LayerStore, blob_digests
-from snapshotter.snapshots.model import Info, Mount, Snapshot, Usage
+from snapshotter.snapshots.model import Info, LowerDirs, Mount, Snapshot, Usage
 from snapshotter.snapshots.service import Snapshotter
 
 MOUNT_AHEAD_IDLE = 60.0  # seconds a mount started on pull waits for a container before it is stopped
@@ -80,6 +80,7 @@ class Mounter(Protocol):
                ahead: bool = False, plain_http_hosts: Collection[str] = ()) -> str: ...
     def release(self, mount_id: str) -> None: ...
     def mounted_ids(self) -> set[str]: ...
+    def metadata_dir(self, mount_id: str) -> str | None: ...
 
 
 def fallback_reason(exc: BaseException) -> str:
@@ -243,8 +244,10 @@ class RemoteBackend:
 
     # -- mounts over remote layers ------------------------------------------------------------
 
-    def lowers(self, snap: Snapshot) -> list[str]:
-        """Lower dirs for `snap`, nearest parent first, remote runs served by the image's mount."""
+    def lowers(self, snap: Snapshot) -> LowerDirs:
+        """Lower dirs for `snap`, nearest parent first, remote runs served by the image's mount:
+        its metadata image's run dirs over the FUSE mount as a data-only layer once that image
+        is mounted, else the FUSE mount's run dirs."""
         plan = self._plan(snap.parent_ids)
         if plan is None:
             return self.sn.local_lowers(snap)
@@ -252,8 +255,10 @@ class RemoteBackend:
         with self._mount_lock:
             mountpoint = self.mounter.ensure(snap.parent_ids[0], runs, bare_runs=bare,
                                              plain_http_hosts=self.resolve_loop.plain_http_hosts())
-        bottom_up_dirs = [f"{mountpoint}/{where}" if kind == "run" else str(where) for kind, where in placement]
-        return list(reversed(bottom_up_dirs))
+            meta = self.mounter.metadata_dir(snap.parent_ids[0])
+        top = meta or mountpoint
+        bottom_up_dirs = [f"{top}/{where}" if kind == "run" else str(where) for kind, where in placement]
+        return LowerDirs(tuple(reversed(bottom_up_dirs)), (mountpoint,) if meta else ())
 
     def _plan(self, parent_ids: Sequence[str]) -> tuple[list[list[RemoteLayer]], list[tuple[str, int | str]],
                                                          tuple[int, ...]] | None:

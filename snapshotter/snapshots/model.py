@@ -73,3 +73,12 @@ class Mount:
     source: str
     options: tuple[str, ...] = ()
     target: str = ""
+
+
+@dataclass(frozen=True)
+class LowerDirs:
+    """What a snapshot's mounts stack: `dirs`, nearest parent first, and `data`, data-only lower
+    layers under them (snapshots/mounts.py)."""
+
+    dirs: tuple[str, ...]
+    data: tuple[str, ...] = ()

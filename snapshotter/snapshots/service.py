@@ -28,7 +28,7 @@ from pathlib import Path
 from snapshotter.errors import NotFound
 from snapshotter.snapshots.filters import match_any, parse_filters
 from snapshotter.snapshots.metastore import MetaStore, Transaction
-from snapshotter.snapshots.model import Info, Kind, Mount, Snapshot, Usage
+from snapshotter.snapshots.model import Info, Kind, LowerDirs, Mount, Snapshot, Usage
 from snapshotter.snapshots.mounts import compute_mounts
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ def overlay_supports_index_off() -> bool:
 class Snapshotter:
     """containerd's snapshot operations over `root`. Thread-safe."""
 
-    def __init__(self, root: Path, *, lowers: Callable[[Snapshot], list[str]] | None = None) -> None:
+    def __init__(self, root: Path, *, lowers: Callable[[Snapshot], LowerDirs] | None = None) -> None:
         self.root = root
         self.snapshots_dir = root / "snapshots"
         self.snapshots_dir.mkdir(parents=True, exist_ok=True)
@@ -96,16 +96,17 @@ class Snapshotter:
     def work_dir(self, snapshot_id: str) -> str:
         return str(self.snapshots_dir / snapshot_id / "work")
 
-    def local_lowers(self, snap: Snapshot) -> list[str]:
+    def local_lowers(self, snap: Snapshot) -> LowerDirs:
         """Each parent's own fs dir, nearest first (no remote layers)."""
-        return [self.fs_dir(pid) for pid in snap.parent_ids]
+        return LowerDirs(tuple(self.fs_dir(pid) for pid in snap.parent_ids))
 
-    def set_lowers(self, lowers: Callable[[Snapshot], list[str]]) -> None:
+    def set_lowers(self, lowers: Callable[[Snapshot], LowerDirs]) -> None:
         self._lowers = lowers
 
     def _mounts(self, snap: Snapshot) -> list[Mount]:
-        return compute_mounts(snap.kind, snap.id, self._lowers(snap), upper_dir=self.fs_dir, work_dir=self.work_dir,
-                              extra_options=self._overlay_options)
+        lowers = self._lowers(snap)
+        return compute_mounts(snap.kind, snap.id, lowers.dirs, upper_dir=self.fs_dir, work_dir=self.work_dir,
+                              extra_options=self._overlay_options, data_dirs=lowers.data)
 
     # -- operations -----------------------------------------------------------------------------
 

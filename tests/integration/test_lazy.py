@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import re
 import stat
@@ -444,3 +445,68 @@ def test_our_converted_images_run_lazily_with_the_source_tree(lab: Lab, pushed: 
     assert set(lazy) == set(full)
     diffs = {p: (lazy[p], full[p]) for p in full if lazy[p] != full[p]}
     assert not diffs, f"{len(diffs)} paths differ, e.g. {next(iter(diffs.items()))}"
+
+
+def _erofs_mounts_under(root: Path) -> list[str]:
+    prefix = str(root) + "/"
+    return [f[4] for f in (line.split() for line in Path("/proc/self/mountinfo").read_text().splitlines())
+            if f[f.index("-") + 1] == "erofs" and f[4].startswith(prefix)]
+
+
+def test_later_containers_get_metadata_from_the_kernel(lab: Lab, pushed: Pushed,
+                                                      mounted: list[tuple[str, str, Path, str | None]]) -> None:
+    """Once an image's mount serves, its metadata image is built and mounted; the next snapshot
+    over the image is an overlay of it over the FUSE mount (data-only), shows the tree an
+    overlayfs pull shows, and its stats and listings make no FUSE request."""
+    ns = "metaimage"
+    others = set(_erofs_mounts_under(lab.snapshotter_root))
+    lab.ctr_remote("image", "rpull", "--plain-http", "--snapshotter", "lazy", pushed.esgz_ref, namespace=ns)
+    lab.pull(pushed.esgz_ref, snapshotter="overlayfs")
+    base = ["run", "--snapshotter", "lazy", "--runc-root", str(lab.dir / "runc"), "--fifo-dir", str(lab.dir / "fifo")]
+    lab.ctr(*base, "-d", pushed.esgz_ref, "meta-keeper", "sleep", "60", namespace=ns)  # keeps the mount in use
+    try:
+        (meta,) = _wait_for("the image's metadata image",
+                            lambda: [m for m in _erofs_mounts_under(lab.snapshotter_root) if m not in others])
+        assert "event=meta_mounted" in lab.daemon_log()
+        stats = Path(str(meta)).parent / "stats.json"
+
+        def fuse_requests() -> int:
+            ops = json.loads(stats.read_bytes())["fuse"]["ops"]
+            return sum(int(op["count"]) for op in ops.values())
+
+        view = mount_image(lab, mounted, pushed.esgz_ref, "lazy", namespace=ns)
+        options = next(line for line in Path("/proc/self/mountinfo").read_text().splitlines() if f" {view} " in line)
+        assert "metacopy=on" in options and f"{meta}/0" in options, options
+        time.sleep(1.2)  # the mount rewrites its stats file every second
+        before = fuse_requests()
+        names = [os.path.join(d, n) for d, ds, fs in os.walk(view) for n in ds + fs]
+        for p in names:
+            os.lstat(p)
+        time.sleep(1.2)
+        assert fuse_requests() == before, "a walk with a stat of every name reached the FUSE mount"
+        lazy = tree_facts(view)
+        full_root = mount_image(lab, mounted, pushed.esgz_ref, "overlayfs")
+        full = tree_facts(full_root)
+        assert set(full) - set(lazy) <= {"stargz.index.json", ".prefetch.landmark", ".no.prefetch.landmark"}
+        diffs = {p: (lazy[p], full[p]) for p in lazy if lazy[p] != full[p]}
+        assert not diffs, f"{len(diffs)} paths differ, e.g. {next(iter(diffs.items()))}"
+        assert lazy["rich/big.bin"].size == RICH_BIG and lazy["rich/owned"].uid == 1234
+        # A container started now runs over it; a chmod and a write go to its own upper dir.
+        out = lab.ctr(*base, "--rm", pushed.esgz_ref, "meta-second", "sh", "-c",
+                      "cat /etc/layer3.txt; chmod 600 /etc/layer1.txt; stat -c %a /etc/layer1.txt; "
+                      "cat /etc/layer1.txt; echo new >> /data/layer2.txt; tail -n 1 /data/layer2.txt",
+                      namespace=ns).stdout
+        layer1 = (full_root / "etc/layer1.txt").read_text()
+        assert out == f"from layer 3\n600\n{layer1}new\n", out
+    finally:
+        lab.ctr("tasks", "kill", "-s", "SIGKILL", "meta-keeper", namespace=ns, check=False)
+        _wait_for("the keeper to stop", lambda: "RUNNING" not in lab.ctr("tasks", "ls", namespace=ns).stdout, 20)
+        lab.ctr("tasks", "delete", "meta-keeper", namespace=ns, check=False)
+        lab.ctr("containers", "delete", "meta-keeper", namespace=ns, check=False)
+    for key, sn, target, namespace in mounted:  # the views hold snapshots over the image
+        subprocess.run(["umount", "-R", str(target)], check=False, timeout=30)
+        lab.ctr("snapshots", "--snapshotter", sn, "rm", key, namespace=namespace, check=False)
+    mounted.clear()
+    lab.ctr("images", "rm", "--sync", pushed.esgz_ref, namespace=ns)
+    _wait_for("the metadata image to be unmounted with its mount",
+              lambda: meta not in _erofs_mounts_under(lab.snapshotter_root), timeout=90)

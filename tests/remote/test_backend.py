@@ -51,6 +51,7 @@ class FakeMounter:
         self.bare: dict[str, tuple[int, ...]] = {}
         self.ahead: dict[str, bool] = {}
         self.plain_http: dict[str, set[str]] = {}
+        self.meta: dict[str, str] = {}  # mount id -> its metadata image's mountpoint, once "built"
 
     def ensure(self, mount_id: str, runs: list[list[RemoteLayer]], *, bare_runs: tuple[int, ...] = (),
                ahead: bool = False, plain_http_hosts: Collection[str] = ()) -> str:
@@ -66,6 +67,9 @@ class FakeMounter:
 
     def mounted_ids(self) -> set[str]:
         return set(self.ensured)
+
+    def metadata_dir(self, mount_id: str) -> str | None:
+        return self.meta.get(mount_id)
 
 
 @pytest.fixture
@@ -407,6 +411,12 @@ def test_lowers_interleave_remote_runs_with_local_layers(registry: RegistryProce
     runs = mounter.ensured[top]
     assert [[layer.layer_digest for layer in run] for run in runs] == [[d[0], d[1]], [d[2]]]
     assert mounter.bare[top] == (0,), "the bottom run has nothing below it"
+    # Once the image's metadata image is mounted, runs come from it, over the FUSE mount's data.
+    mounter.meta[top] = str(Path(mounter.tmp, "meta", top))
+    (m,) = be.mounts("ctr")
+    assert "metacopy=on" in m.options
+    lower = next(o for o in m.options if o.startswith("lowerdir=")).removeprefix("lowerdir=")
+    assert lower == f"{mounter.meta[top]}/1:{be.sn.fs_dir(be.sn.snapshot('c2').id)}:{mounter.meta[top]}/0::{mnt}"
     be.remove("ctr")
     assert mounter.released == [unpack_mount, top]
 
