@@ -7,8 +7,9 @@ How (against a running containerd whose proxy plugin `--snapshotter` is our daem
 2. `ctr run` (not `--rm`) the command in a fresh container, bounded by `timeout`: when it runs
    longer, its task is killed (SIGKILL) and what it read so far is the profile;
 3. find the image's mount process from the container snapshot's overlay lowerdirs
-   (`ROOT/mounts/<id>/mnt/<run>`), send it SIGUSR1 and read the record file its state.json names
-   (fusefs/process.py writes `{"files": [{"path", "layer", "name"}, ...]}`);
+   (`ROOT/mounts/<id>/mnt/<run>`, or `ROOT/mounts/<id>/meta/<run>` over its metadata image),
+   send it SIGUSR1 and read the record file its state.json names (fusefs/process.py writes
+   `{"files": [{"path", "layer", "name"}, ...]}`);
 4. delete the container (and its snapshot) whatever happened.
 Only reads of lazy layers (eStargz, zstd:chunked, Nydus) go through a mount process; an image
 with none is an error, layers unpacked locally are reported and not seen. A mount process that
@@ -65,7 +66,8 @@ class RecordResult:
     warnings: tuple[str, ...] = ()
 
 
-_MOUNT_DIR = re.compile(r"^(?P<dir>/.+/mounts/\d+)/mnt/\d+$")
+# A run of an image's mount: its FUSE mount's run dir, or its metadata image's (over the FUSE mount).
+_MOUNT_DIR = re.compile(r"^(?P<dir>/.+/mounts/\d+)/(?:mnt|meta)/\d+$")
 
 
 def _run(argv: Sequence[str], timeout: float = 120.0, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -81,9 +83,10 @@ def _run(argv: Sequence[str], timeout: float = 120.0, check: bool = True) -> sub
 
 
 def lowerdirs_of(mount_text: str) -> list[str]:
-    """The lowerdirs of the overlay mount `ctr snapshots mounts` prints (top first)."""
+    """The lowerdirs of the overlay mount `ctr snapshots mounts` prints (top first), without the
+    data-only layers that follow "::" (an image's FUSE mount under its metadata image)."""
     m = re.search(r"lowerdir=([^,\s]+)", mount_text)
-    return m.group(1).split(":") if m else []
+    return m.group(1).split("::")[0].split(":") if m else []
 
 
 def profile_paths(record: Mapping[str, object]) -> list[str]:

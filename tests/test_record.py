@@ -36,3 +36,7 @@ def test_lowerdirs_of_ctr_snapshot_mounts_output() -> None:
             "lowerdir=/r/mounts/7/mnt/1:/r/snapshots/4/fs:/r/mounts/7/mnt/0\n")
     assert lowerdirs_of(text) == ["/r/mounts/7/mnt/1", "/r/snapshots/4/fs", "/r/mounts/7/mnt/0"]
     assert lowerdirs_of("mount -t bind /r/snapshots/1/fs /x -o rbind,ro\n") == []
+    # Over a metadata image: its run dirs are the lowerdirs; the FUSE mount after "::" is data only.
+    text = ("mount -t overlay overlay /x -o index=off,metacopy=on,"
+            "lowerdir=/r/mounts/7/meta/1:/r/snapshots/4/fs:/r/mounts/7/meta/0::/r/mounts/7/mnt\n")
+    assert lowerdirs_of(text) == ["/r/mounts/7/meta/1", "/r/snapshots/4/fs", "/r/mounts/7/meta/0"]
