@@ -1,18 +1,19 @@
-"""Build and mount a mount's metadata image (`python -m snapshotter.fusefs.metamount STATE_FILE META_DIR`).
+"""Build a mount's metadata image (`python -m snapshotter.fusefs.metamount STATE_FILE IMAGE`), and mount one.
 
-The daemon starts this, niced, once an image's mount process serves (remote/mounts.py). It loads
-the same state file as the mount process, builds the same tree (`process.load_tree`), writes
-the EROFS metadata image of it (`metaimage.build_meta_image`) next to the state file as
-`meta.erofs`, checks that this kernel can stack it (`probe`), and mounts it read-only at
-META_DIR. Containers whose snapshots are mounted after that get `lowerdir=META_DIR/<run>...::<FUSE
+The daemon starts this, niced, when it starts an image's mount (remote/metaimages.py). It loads
+the same state file as the mount process, builds the same tree (`process.load_tree`), checks
+that this kernel can stack a metadata image (`probe`), and writes the EROFS metadata image of the
+tree (`metaimage.build_meta_image`) to IMAGE, with IMAGE's `.sources.json` listing the layer
+index files it was built from. The daemon mounts it (`mount_erofs`) next to the image's FUSE
+mount; containers whose snapshots are mounted after that get `lowerdir=META/<run>...::<FUSE
 mountpoint>` with `metacopy=on`: the kernel answers their lookups, stats and readdirs, and only
 opening a file reaches the FUSE mount. Containers started before keep the FUSE lowerdirs; both
 show the same tree.
 
-Exit status: 0 when META_DIR is mounted (by this run or one before it), 3 when the kernel cannot
-stack a metadata image (the reason is logged; nothing is mounted), 2 for a bad state file or
-index, 1 for any other failure. Nothing is left mounted or half-written on failure: the image is
-written to a temporary name and renamed, and only a complete one is mounted.
+Exit status: 0 when IMAGE exists (written by this run or one before it, or being written by
+another builder), 3 when the kernel cannot stack a metadata image (the reason is logged), 2 for
+a bad state file or index, 1 for any other failure. IMAGE appears whole or not at all (written to
+a temporary name, synced, renamed).
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ import argparse
 import ctypes
 import ctypes.util
 import fcntl
+import json
 import logging
 import os
-import stat
 import subprocess
 import sys
 import tempfile
@@ -115,70 +116,73 @@ def probe(workdir: Path) -> str | None:
             unmount(meta)
 
 
-def build_and_mount(state_file: Path, meta_dir: Path) -> int:
+def build_image(state_file: Path, image_path: Path) -> int:
     """The command's work (see the module docstring); returns the exit status."""
     from snapshotter.fusefs.metaimage import build_meta_image
     from snapshotter.fusefs.process import load_tree, parse_state
 
-    directory = state_file.parent
-    with open(directory / LOCK_NAME, "w") as lock:
+    image_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(image_path.with_suffix(".lock"), "w") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log.info("event=meta_skipped dir=%s reason=another_builder", directory)
+            log.info("event=meta_skipped image=%s reason=another_builder", image_path)
             return 0
-        if is_mountpoint(meta_dir):
+        if image_path.exists():
             return 0
         began = time.monotonic()
         try:
             state = parse_state(state_file.read_bytes(), str(state_file))
             tree = load_tree(state)
         except (OSError, SnapshotterError) as exc:
-            log.error("event=meta_failed dir=%s error=%s", directory, exc)
+            log.error("event=meta_failed image=%s error=%s", image_path, exc)
             return 2
         if any(not x.startswith("trusted.") for x in state.opaque_xattrs):
-            log.warning("event=meta_unsupported dir=%s reason=%r", directory,
+            log.warning("event=meta_unsupported image=%s reason=%r", image_path,
                         "opaque markers are not trusted.* xattrs (a userxattr overlay cannot follow metacopy)")
+            return EXIT_UNSUPPORTED
+        why = probe(image_path.parent)
+        if why is not None:
+            log.warning("event=meta_unsupported image=%s reason=%r; containers keep the FUSE mount for metadata",
+                        image_path, why)
             return EXIT_UNSUPPORTED
         built = time.monotonic()
         image = build_meta_image(tree)
-        image_path = directory / IMAGE_NAME
+        sources = [spec.index_path for run in state.runs for spec in run]
         tmp = image_path.with_suffix(".tmp")
         with open(tmp, "wb") as f:
             f.write(image)
+            f.flush()
+            os.fsync(f.fileno())
+        _write_sources(image_path, sources)
         os.replace(tmp, image_path)
-        written = time.monotonic()
-        why = probe(directory)
-        if why is not None:
-            log.warning("event=meta_unsupported dir=%s reason=%r; containers keep the FUSE mount for metadata",
-                        directory, why)
-            return EXIT_UNSUPPORTED
-        meta_dir.mkdir(exist_ok=True)
-        try:
-            mount_erofs(image_path, meta_dir)
-        except SnapshotterError as exc:
-            log.error("event=meta_failed dir=%s error=%s", directory, exc)
-            return 1
-        if not stat.S_ISDIR(os.lstat(meta_dir).st_mode):  # pragma: no cover - a broken image
-            unmount(meta_dir)
-            return 1
-        log.info("event=meta_mounted dir=%s inodes=%d image_bytes=%d tree_seconds=%.3f image_seconds=%.3f "
-                 "mount_seconds=%.3f", directory, len(tree), len(image), built - began, written - built,
-                 time.monotonic() - written)
+        log.info("event=meta_built image=%s inodes=%d image_bytes=%d tree_seconds=%.3f image_seconds=%.3f",
+                 image_path, len(tree), len(image), built - began, time.monotonic() - built)
         return 0
+
+
+def sources_path(image_path: Path) -> Path:
+    """The JSON list of the layer index files `image_path` was built from (for garbage collection)."""
+    return image_path.with_suffix(".sources.json")
+
+
+def _write_sources(image_path: Path, sources: list[str]) -> None:
+    tmp = sources_path(image_path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(sources))
+    os.replace(tmp, sources_path(image_path))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m snapshotter.fusefs.metamount", description=__doc__.split("\n")[0])
     parser.add_argument("state_file", help="the mount's JSON state file (remote/mounts.py)")
-    parser.add_argument("meta_dir", help="where to mount the metadata image")
+    parser.add_argument("image", help="the metadata image file to write")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--log-format", choices=["text", "json"], default="text")
     args = parser.parse_args(argv)
     from snapshotter.logs import setup_logging
 
     setup_logging(args.log_level, args.log_format)
-    return build_and_mount(Path(args.state_file), Path(args.meta_dir))
+    return build_image(Path(args.state_file), Path(args.image))
 
 
 if __name__ == "__main__":

@@ -81,6 +81,7 @@ class Mounter(Protocol):
     def release(self, mount_id: str) -> None: ...
     def mounted_ids(self) -> set[str]: ...
     def metadata_dir(self, mount_id: str) -> str | None: ...
+    def prune_metadata_images(self) -> list[str]: ...
 
 
 def fallback_reason(exc: BaseException) -> str:
@@ -376,6 +377,7 @@ class RemoteBackend:
                 if ref is not None:
                     referenced.append(ref.layer_digest)
             dropped_layers = self.layers.remove_unreferenced(set(referenced) | claimed)
+        self.mounter.prune_metadata_images()  # those built from the indexes just dropped
         keys: set[str] = set()
         for digest in dict.fromkeys(referenced):
             try:

@@ -10,14 +10,13 @@
     ROOT/mounts/<mount id>/in_use       made once a snapshot over the image asked for the mount; a
                                         mount started on pull fetches in background only after it
     ROOT/mounts/<mount id>/meta         the mount's metadata image, mounted (config `metadata_image`)
-    ROOT/mounts/<mount id>/meta.erofs   that image; meta.log: its builder's stderr
     ROOT/mounts/spare.log               stderr of the spare mount process until it is given a mount
 
-Metadata image (fusefs/metamount.py): META_DELAY seconds after a mount first serves (off its first
-container's start path), a niced builder process writes the image of the mount's tree and mounts
-it at ROOT/mounts/<id>/meta. From then on `metadata_dir` names it, and snapshots over the image
-are mounted as overlay of META/<run> dirs over the FUSE mount as a data-only layer. A builder
-that finds the kernel unable to stack it (exit 3) turns the feature off for this daemon.
+Metadata image (remote/metaimages.py): when a mount starts, the builder of its tree's metadata
+image starts too (niced, unless the image was built before); once the mount serves and the
+image exists, it is mounted at ROOT/mounts/<id>/meta, and `metadata_dir` names it. Snapshots over
+the image mounted from then on are overlay of META/<run> dirs over the FUSE mount as a data-only
+layer. It is unmounted (lazily) when the mount stops; the image file stays for the next mount.
 
 The spare (config `spare_mount_process`): one mount process started ahead, imports done, that
 waits on its stdin for a line {"state": STATE_FILE, "log": LOG_FILE}; the next mount hands it its
@@ -51,10 +50,9 @@ from pathlib import Path
 from snapshotter import metrics
 from snapshotter.config import Config
 from snapshotter.errors import SnapshotterError
-from snapshotter.fusefs.metamount import EXIT_UNSUPPORTED
-from snapshotter.fusefs.metamount import unmount as unmount_meta
 from snapshotter.mountinfo import is_mountpoint
 from snapshotter.remote.backend import RemoteLayer
+from snapshotter.remote.metaimages import MetaImages, key_of
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +66,6 @@ SPARE_DELAY = 2.0  # seconds after a hand-off before the next spare starts (off 
 SPARE_LOG = "spare.log"
 WATCH_INTERVAL = 1.0  # seconds between checks of the mount processes' pids (`watch`)
 META_DIR = "meta"
-META_LOG = "meta.log"
-META_DELAY = 1.0  # seconds after a mount serves before its metadata image is built (off the start path)
 
 
 class MountError(SnapshotterError):
@@ -143,10 +139,9 @@ class MountManager:
         self._spare: subprocess.Popen[bytes] | None = None
         self._spare_timer: threading.Timer | None = None
         self._closed = False
-        self._meta_lock = threading.Lock()  # guards the three below; never held while waiting on a process
-        self._meta_builders: dict[str, subprocess.Popen[bytes]] = {}
-        self._meta_timers: dict[str, threading.Timer] = {}
-        self._meta_unsupported = not config.metadata_image
+        self._meta_keys: dict[str, str] = {}  # mount id -> its metadata image's key (under _lock)
+        self.meta = MetaImages(Path(config.root), enabled=config.metadata_image, command_of=self._command_of,
+                               on_built=self._meta_built)
 
     def _paths(self, mount_id: str) -> tuple[Path, Path, Path, Path]:
         if not mount_id.isdigit():
@@ -184,7 +179,7 @@ class MountManager:
             if self.alive(mount_id):
                 if not ahead:
                     in_use.touch()
-                self._schedule_meta(mount_id)
+                self._attach_meta(mount_id)
                 return str(mnt)
             dead_pid = self._pid(mount_id)
             if dead_pid is not None and (mount_id, dead_pid) not in self._reported_dead:
@@ -214,6 +209,10 @@ class MountManager:
             tmp = state.with_suffix(".tmp")
             tmp.write_text(json.dumps(doc, indent=1))
             os.replace(tmp, state)
+            if self.meta.available:
+                key = self._meta_keys[mount_id] = key_of(doc)
+                # From a thread: starting a process costs the daemon milliseconds on this start path.
+                threading.Thread(target=self.meta.build, args=(key, state), daemon=True).start()
             pidf.unlink(missing_ok=True)
             in_use.unlink(missing_ok=True)
             if not ahead:
@@ -238,7 +237,7 @@ class MountManager:
                     metrics.MOUNTS_ALIVE.set(len(self.mounted_ids()))
                     log.info("event=mount_started mount=%s pid=%d runs=%d layers=%d prefetch=%s", mount_id,
                              proc.pid, len(runs), sum(len(r) for r in runs), _prefetch_outcome(readyf))
-                    self._schedule_meta(mount_id)
+                    self._attach_meta(mount_id)
                     return str(mnt)
                 time.sleep(0.005)  # on a container's start path: poll finely (each check is a few stats)
             proc.kill()
@@ -278,69 +277,38 @@ class MountManager:
         """Where image `mount_id`'s metadata image is mounted (its runs are META/<run>), or None
         while there is none (not built yet, turned off, or this kernel cannot stack it)."""
         meta = self.dir / mount_id / META_DIR
-        return str(meta) if not self._meta_unsupported and is_mountpoint(meta) else None
+        return str(meta) if self.meta.available and is_mountpoint(meta) else None
 
-    def _schedule_meta(self, mount_id: str, delay: float = META_DELAY) -> None:
-        """Build and mount the metadata image of serving mount `mount_id` after `delay` seconds,
-        unless it is mounted, being built, or the feature is off."""
-        with self._meta_lock:
-            if self._meta_unsupported or self._closed or mount_id in self._meta_timers:
-                return
-            builder = self._meta_builders.get(mount_id)
-            if builder is not None and builder.poll() is None:
-                return
-            if is_mountpoint(self.dir / mount_id / META_DIR):
-                return
-            timer = threading.Timer(delay, self._start_meta, args=(mount_id,))
-            timer.daemon = True
-            self._meta_timers[mount_id] = timer
-            timer.start()
-
-    def _start_meta(self, mount_id: str) -> None:
-        state = self.dir / mount_id / "state.json"
-        with self._meta_lock:
-            self._meta_timers.pop(mount_id, None)
-            if self._closed or self._meta_unsupported or not state.exists():
-                return
-            command = ["nice", "-n", "19", *self._command_of("snapshotter.fusefs.metamount", str(state),
-                                                              str(self.dir / mount_id / META_DIR))]
+    def _meta_key(self, mount_id: str) -> str | None:
+        """The metadata image key of serving mount `mount_id` (from its state file after a daemon restart)."""
+        key = self._meta_keys.get(mount_id)
+        if key is None:
             try:
-                with open(self.dir / mount_id / META_LOG, "ab") as log_out:
-                    proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_out, stderr=log_out,
-                                            start_new_session=True, close_fds=True)
-            except OSError as exc:
-                log.warning("event=meta_failed mount=%s error=%s; its containers keep FUSE for metadata", mount_id, exc)
-                return
-            self._meta_builders[mount_id] = proc
-        threading.Thread(target=self._reap_meta, args=(mount_id, proc), daemon=True,
-                         name=f"meta-{mount_id}").start()
+                key = self._meta_keys[mount_id] = key_of(json.loads(self._paths(mount_id)[1].read_bytes()))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.warning("event=meta_key_failed mount=%s error=%r", mount_id, exc)
+                return None
+        return key
 
-    def _reap_meta(self, mount_id: str, proc: subprocess.Popen[bytes]) -> None:
-        status = proc.wait()
-        with self._meta_lock:
-            if self._meta_builders.get(mount_id) is proc:
-                del self._meta_builders[mount_id]
-        if status == 0:
-            log.info("event=meta_mounted mount=%s", mount_id)
-        elif status == EXIT_UNSUPPORTED:
-            self._meta_unsupported = True
-            log.warning("event=meta_unsupported mount=%s; containers keep the FUSE mount for metadata (see %s)",
-                        mount_id, self.dir / mount_id / META_LOG)
-        elif status > 0:  # < 0: stopped by _stop_meta
-            log.warning("event=meta_failed mount=%s status=%d; see %s", mount_id, status,
-                        self.dir / mount_id / META_LOG)
+    def _attach_meta(self, mount_id: str) -> None:
+        """Under _lock, for a serving mount: mount its metadata image if it is built, else have it built."""
+        if not self.meta.available:
+            return
+        key = self._meta_key(mount_id)
+        if key is not None and not self.meta.attach(key, self.dir / mount_id / META_DIR):
+            self.meta.build(key, self._paths(mount_id)[1])
 
-    def _stop_meta(self, mount_id: str) -> None:
-        """Stop the image's metadata builder and unmount its image (lazily: containers using it keep it)."""
-        with self._meta_lock:
-            timer = self._meta_timers.pop(mount_id, None)
-            builder = self._meta_builders.pop(mount_id, None)
-        if timer is not None:
-            timer.cancel()
-        if builder is not None and builder.poll() is None:
-            builder.kill()
-            builder.wait(timeout=STOP_TIMEOUT)
-        unmount_meta(self.dir / mount_id / META_DIR)
+    def _meta_built(self, key: str) -> None:
+        """A builder finished image `key`: mount it next to each serving mount of that tree."""
+        with self._lock:
+            for mount_id, k in list(self._meta_keys.items()):
+                if k == key and self._pid(mount_id) is not None and is_mountpoint(self._paths(mount_id)[0]):
+                    if self.meta.attach(key, self.dir / mount_id / META_DIR):
+                        log.info("event=meta_mounted mount=%s key=%s", mount_id, key)
+
+    def prune_metadata_images(self) -> list[str]:
+        """Remove metadata images whose layer indexes are gone (garbage collection)."""
+        return self.meta.prune()
 
     # -- the spare ---------------------------------------------------------------------------------
 
@@ -380,14 +348,9 @@ class MountManager:
         log.debug("event=spare_started pid=%d", self._spare.pid)
 
     def close(self) -> None:
-        """Stop the spare (closing its stdin ends it) and pending metadata builds; mount processes
-        (and metadata images already mounted) are left serving."""
-        with self._meta_lock:
-            self._closed = True
-            timers = list(self._meta_timers.values())
-            self._meta_timers.clear()
-        for timer in timers:
-            timer.cancel()
+        """Stop the spare (closing its stdin ends it) and running metadata image builders; mount
+        processes (and metadata images already mounted) are left serving."""
+        self.meta.close()
         with self._spare_lock:
             self._closed = True
             if self._spare_timer is not None:
@@ -430,7 +393,8 @@ class MountManager:
                 child.wait(timeout=STOP_TIMEOUT)
             except subprocess.TimeoutExpired:
                 child.kill()
-        self._stop_meta(mount_id)
+        self.meta.detach(self.dir / mount_id / META_DIR)
+        self._meta_keys.pop(mount_id, None)
         lazy_unmount(mnt)
         pidf.unlink(missing_ok=True)
         totals = _final_stats(self.dir / mount_id / STATS_FILE) if pid is not None or child is not None else ""

@@ -21,7 +21,7 @@ from typing import Any
 
 from snapshotter.formats.index import Entry, EntryType, LayerIndex
 from snapshotter.fusefs.metaimage import METACOPY_XATTR, REDIRECT_XATTR, build_meta_image
-from snapshotter.fusefs.metamount import IMAGE_NAME, build_and_mount, mount_erofs, probe, unmount
+from snapshotter.fusefs.metamount import build_image, mount_erofs, probe, sources_path, unmount
 from snapshotter.fusefs.tree import build_tree
 from snapshotter.mountinfo import is_mountpoint
 from tests.fusefs.layers import tree_facts
@@ -53,6 +53,7 @@ def fuse_requests(log_dir: Path) -> int:
 def test_kernel_stacks_metadata_images(tmp_path: Path) -> None:
     """The daemon relies on this kernel feature; CI's kernel must have it (else the test says why)."""
     assert probe(tmp_path) is None
+    assert list(tmp_path.iterdir()) == []  # its scratch directory is gone
     assert not any(is_mountpoint(p) for p in tmp_path.rglob("*") if p.is_dir())
 
 
@@ -61,8 +62,11 @@ def test_stacked_metadata_image_shows_the_reference_tree(built: dict[str, Any], 
     specs, lowers = built["specs"], built["lowers"]
     with mount_process(tmp_path, [specs[0:2], specs[3:5]], subtrees=True,
                        stats_file=str(tmp_path / "stats.json")) as m:
-        meta = tmp_path / "meta"
-        assert build_and_mount(m.state_path, meta) == 0, m.log()
+        meta, image = tmp_path / "meta", tmp_path / "images" / "x.erofs"
+        assert build_image(m.state_path, image) == 0, m.log()
+        assert json.loads(sources_path(image).read_text()) == [s["index"] for s in specs[0:2] + specs[3:5]]
+        meta.mkdir()
+        mount_erofs(image, meta)
         try:
             assert sorted(os.listdir(meta)) == ["0", "1"]
             big = os.lstat(meta / "0/big")
@@ -76,8 +80,9 @@ def test_stacked_metadata_image_shows_the_reference_tree(built: dict[str, Any], 
             wh = os.lstat(meta / "1/localonly")
             assert stat.S_ISCHR(wh.st_mode) and wh.st_rdev == 0
             assert os.getxattr(meta / "1/usr/share/doc", "trusted.overlay.opaque") == b"y"
-            # A second build finds it mounted and leaves it.
-            assert build_and_mount(m.state_path, meta) == 0
+            # A second build finds the image there and leaves it.
+            before = image.stat().st_mtime_ns
+            assert build_image(m.state_path, image) == 0 and image.stat().st_mtime_ns == before
             with stacked(tmp_path / "merged", [meta / "1", lowers[2], meta / "0"], m.mountpoint) as merged:
                 time.sleep(1.2)  # the stats file is rewritten every second
                 before = fuse_requests(tmp_path)
@@ -116,10 +121,10 @@ def test_meta_image_of_special_files_matches_the_tree(tmp_path: Path) -> None:
               xattrs={"user.k": b"v", "security.capability": cap}),
     )
     tree = build_tree([[LayerIndex(format="test", entries=entries)]], subtrees=False)
-    (tmp_path / IMAGE_NAME).write_bytes(build_meta_image(tree))
+    (tmp_path / "meta.erofs").write_bytes(build_meta_image(tree))
     mnt = tmp_path / "m"
     mnt.mkdir()
-    mount_erofs(tmp_path / IMAGE_NAME, mnt)
+    mount_erofs(tmp_path / "meta.erofs", mnt)
     try:
         for e in entries:
             st = os.lstat(mnt / e.name)

@@ -463,18 +463,29 @@ def test_later_containers_get_metadata_from_the_kernel(lab: Lab, pushed: Pushed,
     lab.ctr_remote("image", "rpull", "--plain-http", "--snapshotter", "lazy", pushed.esgz_ref, namespace=ns)
     lab.pull(pushed.esgz_ref, snapshotter="overlayfs")
     base = ["run", "--snapshotter", "lazy", "--runc-root", str(lab.dir / "runc"), "--fifo-dir", str(lab.dir / "fifo")]
-    lab.ctr(*base, "-d", pushed.esgz_ref, "meta-keeper", "sleep", "60", namespace=ns)  # keeps the mount in use
+    # The first container starts before the image is built; its mount stops with it, the image stays.
+    out = lab.ctr(*base, "--rm", pushed.esgz_ref, "meta-first", "cat", "/etc/layer3.txt", namespace=ns).stdout
+    assert out == "from layer 3\n"
+    hexes = [str(layer["digest"]).split(":")[1] for layer in manifest_layers(lab, pushed.esgz_ref)]
+
+    def built() -> bool:  # a metadata image of this image's layers (an earlier test may have built it)
+        for sources in (lab.snapshotter_root / "metaimages").glob("*.sources.json"):
+            text = sources.read_text()
+            if all(h in text for h in hexes) and sources.with_name(sources.name.replace(".sources.json",
+                                                                                        ".erofs")).exists():
+                return True
+        return False
+
+    _wait_for("the metadata image to be built", built)
+
+    def fuse_requests() -> int:
+        ops = json.loads(stats.read_bytes())["fuse"]["ops"]
+        return sum(int(op["count"]) for op in ops.values())
+
     try:
-        (meta,) = _wait_for("the image's metadata image",
-                            lambda: [m for m in _erofs_mounts_under(lab.snapshotter_root) if m not in others])
-        assert "event=meta_mounted" in lab.daemon_log()
-        stats = Path(str(meta)).parent / "stats.json"
-
-        def fuse_requests() -> int:
-            ops = json.loads(stats.read_bytes())["fuse"]["ops"]
-            return sum(int(op["count"]) for op in ops.values())
-
         view = mount_image(lab, mounted, pushed.esgz_ref, "lazy", namespace=ns)
+        (meta,) = [m for m in _erofs_mounts_under(lab.snapshotter_root) if m not in others]
+        stats = Path(meta).parent / "stats.json"
         options = next(line for line in Path("/proc/self/mountinfo").read_text().splitlines() if f" {view} " in line)
         assert "metacopy=on" in options and f"{meta}/0" in options, options
         time.sleep(1.2)  # the mount rewrites its stats file every second
@@ -499,14 +510,10 @@ def test_later_containers_get_metadata_from_the_kernel(lab: Lab, pushed: Pushed,
         layer1 = (full_root / "etc/layer1.txt").read_text()
         assert out == f"from layer 3\n600\n{layer1}new\n", out
     finally:
-        lab.ctr("tasks", "kill", "-s", "SIGKILL", "meta-keeper", namespace=ns, check=False)
-        _wait_for("the keeper to stop", lambda: "RUNNING" not in lab.ctr("tasks", "ls", namespace=ns).stdout, 20)
-        lab.ctr("tasks", "delete", "meta-keeper", namespace=ns, check=False)
-        lab.ctr("containers", "delete", "meta-keeper", namespace=ns, check=False)
-    for key, sn, target, namespace in mounted:  # the views hold snapshots over the image
-        subprocess.run(["umount", "-R", str(target)], check=False, timeout=30)
-        lab.ctr("snapshots", "--snapshotter", sn, "rm", key, namespace=namespace, check=False)
-    mounted.clear()
+        for key, sn, target, namespace in mounted:  # the views hold snapshots over the image
+            subprocess.run(["umount", "-R", str(target)], check=False, timeout=30)
+            lab.ctr("snapshots", "--snapshotter", sn, "rm", key, namespace=namespace, check=False)
+        mounted.clear()
     lab.ctr("images", "rm", "--sync", pushed.esgz_ref, namespace=ns)
     _wait_for("the metadata image to be unmounted with its mount",
               lambda: meta not in _erofs_mounts_under(lab.snapshotter_root), timeout=90)

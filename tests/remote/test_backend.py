@@ -52,6 +52,7 @@ class FakeMounter:
         self.ahead: dict[str, bool] = {}
         self.plain_http: dict[str, set[str]] = {}
         self.meta: dict[str, str] = {}  # mount id -> its metadata image's mountpoint, once "built"
+        self.pruned = 0  # calls of prune_metadata_images
 
     def ensure(self, mount_id: str, runs: list[list[RemoteLayer]], *, bare_runs: tuple[int, ...] = (),
                ahead: bool = False, plain_http_hosts: Collection[str] = ()) -> str:
@@ -70,6 +71,10 @@ class FakeMounter:
 
     def metadata_dir(self, mount_id: str) -> str | None:
         return self.meta.get(mount_id)
+
+    def prune_metadata_images(self) -> list[str]:
+        self.pruned += 1
+        return []
 
 
 @pytest.fixture
