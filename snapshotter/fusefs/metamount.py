@@ -1,7 +1,7 @@
 """Build a mount's metadata image (`python -m snapshotter.fusefs.metamount STATE_FILE IMAGE`), and mount one.
 
 The daemon starts this, niced, when it starts an image's mount (remote/metaimages.py). It loads
-the same state file as the mount process, builds the same tree (`process.load_tree`), checks
+the same state file as the mount process, builds the same tree (`state.load_tree`), checks
 that this kernel can stack a metadata image (`probe`), and writes the EROFS metadata image of the
 tree (`metaimage.build_meta_image`) to IMAGE, with IMAGE's `.sources.json` listing the layer
 index files it was built from. The daemon mounts it (`mount_erofs`) next to the image's FUSE
@@ -119,7 +119,7 @@ def probe(workdir: Path) -> str | None:
 def build_image(state_file: Path, image_path: Path) -> int:
     """The command's work (see the module docstring); returns the exit status."""
     from snapshotter.fusefs.metaimage import build_meta_image
-    from snapshotter.fusefs.process import load_tree, parse_state
+    from snapshotter.fusefs.state import load_tree, parse_state
 
     image_path.parent.mkdir(parents=True, exist_ok=True)
     with open(image_path.with_suffix(".lock"), "w") as lock:

@@ -5,32 +5,7 @@ indexes (no registry round trip), merges them (`tree.build_tree`), opens one rea
 mounts, writes the ready file, and serves until SIGTERM/SIGINT (then unmounts) or until the
 filesystem is unmounted from outside. SIGUSR1 writes the first-read record.
 
-State file, version 1:
-    {
-      "version": 1,                  # optional; other versions are refused
-      "mountpoint": "/var/lib/snapshotter/mnt/<id>",       # an existing directory
-      "ready_file": "/run/snapshotter/<id>.ready",          # optional; written once mounted and prefetched
-                                                            # (see below), removed on exit
-      "record_file": "/run/snapshotter/<id>.record.json",   # optional; first-read order, see below
-      "subtrees": true,              # root holds "0", "1", ... one dir per run (overlay lowerdirs)
-      "opaque_xattrs": ["trusted.overlay.opaque"],          # optional
-      "fetch_timeout": 30.0,         # optional; seconds per FUSE read before EIO
-      "cache_timeout": 86400.0,      # optional; kernel entry/attr cache seconds
-      "max_tasks": 64,               # optional; concurrent FUSE request tasks
-      "read_ahead_kb": 1024,         # optional; the mount's kernel read-ahead window (0: kernel default)
-      "prefetch_timeout": 10.0,      # optional (else config.prefetch_timeout); see fusefs/prefetch.py
-      "runs": [                      # lowest run first; each run lowest layer first
-        [{"digest": "sha256:...",                         # for logs ("layer_digest" also accepted)
-          "index": "/var/lib/snapshotter/layers/<hex>/index.bin",    # index_codec.dump_index output
-          "reader": {"kind": "file", "blob_path": "/path/to/blob"}}]  # kind picks a ReaderFactory
-      ]
-    }
-Unknown keys are ignored and the whole document is `MountState.doc`, so a reader factory can
-read daemon settings from it (e.g. a "config" object).
-Reader kinds: "file" (a local copy of the blob; "blob_paths": [...] for multi-blob layers) is
-built in; others are added to `READER_KINDS` (or passed to `main(reader_kinds=...)`): a
-ReaderFactory is `(LayerSpec, LayerIndex, ReaderEnv) -> async context manager of LayerReader`.
-
+The state file's format is in fusefs/state.py.
 Ready file (JSON, written atomically): {"pid", "mountpoint", "inodes", "file_bytes", "prefetch"},
 written when every layer's landmark prefetch has ended or prefetch_timeout has passed, whichever
 is first ("prefetch": "done" or "timeout"); the mount serves reads before that.
@@ -52,12 +27,10 @@ import errno
 import gc
 import json
 import logging
-import math
 import os
 import signal
 import sys
 import tempfile
-import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
@@ -71,134 +44,26 @@ from snapshotter.errors import ConfigError, FetchError, FormatError, Snapshotter
 from snapshotter.formats.codec import decompress_chunk
 from snapshotter.formats.digest import check_digest
 from snapshotter.formats.index import Chunk, Entry, EntryType, LayerIndex
-from snapshotter.formats.index_codec import load_index
 from snapshotter.fusefs.ops import FsConfig, LayerReader, LazyOperations, ReadRecorder
 from snapshotter.fusefs.prefetch import Prefetcher, PrefetchSettings
+from snapshotter.fusefs.state import (  # noqa: F401  (LayerSpec, parse_state, ... are this module's API too)
+    DEFAULT_READ_AHEAD_KB,
+    STATE_VERSION,
+    LayerSpec,
+    MountState,
+    load_tree,
+    parse_state,
+)
+from snapshotter.fusefs.state import typed_field as _get
 from snapshotter.fusefs.stats import run_stats_writer
-from snapshotter.fusefs.tree import DEFAULT_OPAQUE_XATTRS, MountTree, build_tree
+from snapshotter.fusefs.tree import MountTree
 from snapshotter.gcpause import gc_paused
 from snapshotter.mountinfo import mount_device
 
 log = logging.getLogger(__name__)
 
-STATE_VERSION = 1
-DEFAULT_READ_AHEAD_KB = 1024  # 1 MiB: the largest FUSE read request (see set_read_ahead)
 FSNAME = "lazy"
 MOUNT_OPTIONS = frozenset({f"fsname={FSNAME}", "subtype=snapshotter", "allow_other", "default_permissions", "ro"})
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    """One layer of the state file."""
-
-    index_path: str
-    reader: Mapping[str, Any]
-    digest: str = ""
-
-
-@dataclass(frozen=True)
-class MountState:
-    """The parsed state file."""
-
-    mountpoint: str
-    runs: tuple[tuple[LayerSpec, ...], ...]
-    ready_file: str | None = None
-    record_file: str | None = None
-    subtrees: bool = True
-    opaque_xattrs: tuple[str, ...] = DEFAULT_OPAQUE_XATTRS
-    fetch_timeout: float = 30.0
-    cache_timeout: float = 24 * 3600.0
-    max_tasks: int = 64
-    bare_runs: tuple[int, ...] = ()  # runs with nothing below them: no overlay markers needed
-    read_ahead_kb: int = DEFAULT_READ_AHEAD_KB  # the mount's kernel read-ahead window; 0 = kernel default
-    doc: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
-
-
-def _get(d: Mapping[str, Any], key: str, kind: type | tuple[type, ...], what: str, default: Any = ...) -> Any:
-    if key not in d:
-        if default is ...:
-            raise ConfigError(f"{what}: missing {key!r}")
-        return default
-    value = d[key]
-    if isinstance(value, bool) and kind in (int, float, (int, float)):
-        raise ConfigError(f"{what}: {key!r} must be a number")
-    if not isinstance(value, kind):
-        raise ConfigError(f"{what}: {key!r} has the wrong type ({type(value).__name__})")
-    return value
-
-
-def parse_state(data: bytes, what: str = "state file") -> MountState:
-    """The MountState in `data`; ConfigError (naming the key) when it is not a valid state file."""
-    try:
-        doc = json.loads(data)
-    except ValueError as exc:
-        raise ConfigError(f"{what}: not JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise ConfigError(f"{what}: not a JSON object")
-    if doc.get("version", STATE_VERSION) != STATE_VERSION:
-        raise ConfigError(f"{what}: version {doc.get('version')!r}, expected {STATE_VERSION}")
-    runs = []
-    for r, run in enumerate(_get(doc, "runs", list, what)):
-        if not isinstance(run, list) or not run:
-            raise ConfigError(f"{what}: run {r} must be a non-empty list of layers")
-        specs = []
-        for i, layer in enumerate(run):
-            lw = f"{what}: run {r} layer {i}"
-            if not isinstance(layer, dict):
-                raise ConfigError(f"{lw}: not an object")
-            reader = _get(layer, "reader", dict, lw)
-            _get(reader, "kind", str, lw + " reader")
-            digest = _get(layer, "digest", str, lw, "") or _get(layer, "layer_digest", str, lw, "")
-            specs.append(LayerSpec(index_path=_get(layer, "index", str, lw), reader=reader, digest=digest))
-        runs.append(tuple(specs))
-    if not runs:
-        raise ConfigError(f"{what}: no runs")
-    subtrees = _get(doc, "subtrees", bool, what, True)
-    if not subtrees and len(runs) != 1:
-        raise ConfigError(f"{what}: subtrees=false needs exactly one run, got {len(runs)}")
-    fetch_timeout = float(_get(doc, "fetch_timeout", (int, float), what, 30.0))
-    cache_timeout = float(_get(doc, "cache_timeout", (int, float), what, 24 * 3600.0))
-    max_tasks = _get(doc, "max_tasks", int, what, 64)
-    if not (math.isfinite(fetch_timeout) and fetch_timeout > 0) or not (cache_timeout >= 0) or max_tasks < 1:
-        raise ConfigError(f"{what}: fetch_timeout, cache_timeout or max_tasks out of range")
-    opaque = _get(doc, "opaque_xattrs", list, what, list(DEFAULT_OPAQUE_XATTRS))
-    if not all(isinstance(x, str) for x in opaque):
-        raise ConfigError(f"{what}: opaque_xattrs must be strings")
-    record_file = _get(doc, "record_file", (str, type(None)), what, None)
-    ready_file = _get(doc, "ready_file", (str, type(None)), what, None)
-    read_ahead_kb = _get(doc, "read_ahead_kb", int, what, DEFAULT_READ_AHEAD_KB)
-    if read_ahead_kb < 0:
-        raise ConfigError(f"{what}: read_ahead_kb must not be negative")
-    bare_runs = _get(doc, "bare_runs", list, what, [])
-    if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < len(runs) for x in bare_runs):
-        raise ConfigError(f"{what}: bare_runs must be run numbers below {len(runs)}")
-    return MountState(
-        mountpoint=_get(doc, "mountpoint", str, what), ready_file=ready_file, runs=tuple(runs),
-        record_file=record_file, subtrees=subtrees, opaque_xattrs=tuple(opaque), fetch_timeout=fetch_timeout,
-        cache_timeout=cache_timeout, max_tasks=max_tasks, bare_runs=tuple(bare_runs), read_ahead_kb=read_ahead_kb,
-        doc=doc,
-    )
-
-
-def load_tree(state: MountState) -> MountTree:
-    """Load every run's persisted indexes and merge them. FormatError / OSError name the file."""
-    began = time.monotonic()
-    runs: list[list[LayerIndex]] = []
-    for run in state.runs:
-        indexes = []
-        for spec in run:
-            try:
-                # No name for the file's bytes: they go as soon as the index is made, not after
-                # the tree (of which they would be a sixth).
-                indexes.append(load_index(Path(spec.index_path).read_bytes()))
-            except FormatError as exc:
-                raise FormatError(f"layer index {spec.index_path} ({spec.digest or 'no digest'}): {exc}") from None
-        runs.append(indexes)
-    loaded = time.monotonic()
-    tree = build_tree(runs, subtrees=state.subtrees, opaque_xattrs=state.opaque_xattrs, bare_runs=state.bare_runs)
-    log.info("event=tree_built layers=%d inodes=%d load_seconds=%.3f build_seconds=%.3f",
-             len(tree.layers), len(tree), loaded - began, time.monotonic() - loaded)
-    return tree
 
 
 # ---------------------------------------------------------------------------------------------
