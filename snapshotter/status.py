@@ -13,7 +13,8 @@ Document, version 1:
                              "fetched_bytes"?, "fetched_bytes_by_cause"?, "prefetch"?}],   # bottom layer first
                  "mounts": [MOUNT ids]}],
      "mounts": [{"id", "pid", "alive", "health": "ok" | "stale" | "dead", "stats_age_seconds"?,
-                 "images": [REF], "layers": N}]}
+                 "images": [REF], "layers": N,
+                 "metadata_image": BOOL}]}     # its metadata image is mounted (remote/metaimages.py)
 A layer is "lazy" when its committed snapshot is a remote snapshot, "fallback" when it is an
 ordinary snapshot and a fallback was recorded for its digest (ROOT/layers/<hex>/fallback.json),
 "local" otherwise (a layer without remote labels, pulled the ordinary way).
@@ -29,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from snapshotter.mountinfo import is_mountpoint
 from snapshotter.remote.labels import CRI_IMAGE_REF, CRI_LAYER_DIGEST, REMOTE_LABEL, STARGZ_DIGEST, STARGZ_REFERENCE
 from snapshotter.remote.mountstats import mount_stats, read_json
 from snapshotter.remote.store import LayerStore
@@ -73,7 +75,8 @@ def build_status(infos: list[Info], layers: LayerStore, mounts_dir: Path,
                        for layer in run if isinstance(layer, dict)} - {""})
         is_alive = alive(mount_id)
         m: dict[str, Any] = {"id": mount_id, "pid": pids[mount_id], "alive": is_alive, "images": refs,
-                             "layers": sum(len(run) for run in state.get("runs", []))}
+                             "layers": sum(len(run) for run in state.get("runs", [])),
+                             "metadata_image": is_mountpoint(mounts_dir / mount_id / "meta")}
         sdoc = stats.get(mount_id)
         age = now - float(sdoc.get("time", 0)) if sdoc else None
         if age is not None:
@@ -184,7 +187,8 @@ def render_text(doc: dict[str, Any]) -> str:
     lines.append("mounts:" if doc.get("mounts") else "mounts: none")
     for m in doc.get("mounts", []):
         lines.append(f"  {m['id']}  pid {m.get('pid')}  {m['health']}  layers {m['layers']}  "
-                     f"images {', '.join(m['images'])}")
+                     f"images {', '.join(m['images'])}"
+                     + ("  (metadata image mounted)" if m.get("metadata_image") else ""))
     cache = doc.get("cache", {})
     if "error" in cache:
         lines.append(f"cache: unavailable ({cache['error']})")

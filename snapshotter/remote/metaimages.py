@@ -12,7 +12,8 @@ container of the image gets it at once. An image whose index files are gone is r
 (on the daemon's garbage collection).
 
 `build` starts at most one builder per key (`nice -n 19 python -m snapshotter.fusefs.metamount`);
-when it ends, `on_built(key)` is called from its reaper thread. A builder that finds the kernel
+when it ends, `on_built(key)` is called from its reaper thread. A key whose builder failed is not
+built again by this daemon (a mount's every Mounts call would start it again). A builder that finds the kernel
 unable to stack metadata images (exit 3) turns them off for this daemon (`available` is False).
 """
 
@@ -69,6 +70,7 @@ class MetaImages:
         self._builders: dict[str, subprocess.Popen[bytes]] = {}
         self._unsupported = not enabled
         self._closed = False
+        self.failed: set[str] = set()  # keys whose builder failed: not retried until the daemon restarts
 
     @property
     def available(self) -> bool:
@@ -80,7 +82,7 @@ class MetaImages:
     def build(self, key: str, state_file: Path) -> None:
         """Start building image `key` from `state_file` unless it exists or is being built."""
         with self._lock:
-            if self._unsupported or self._closed or self.image(key).exists():
+            if self._unsupported or self._closed or key in self.failed or self.image(key).exists():
                 return
             running = self._builders.get(key)
             if running is not None and running.poll() is None:
@@ -110,8 +112,11 @@ class MetaImages:
             self._unsupported = True
             log.warning("event=meta_unsupported key=%s; containers keep the FUSE mount for metadata (see %s)",
                         key, self.dir / f"{key}.log")
-        elif status != 0:
-            log.warning("event=meta_failed key=%s status=%d; see %s", key, status, self.dir / f"{key}.log")
+        elif status > 0:  # (< 0: killed by close)
+            with self._lock:
+                self.failed.add(key)
+            log.warning("event=meta_failed key=%s status=%d; its containers keep FUSE for metadata, see %s",
+                        key, status, self.dir / f"{key}.log")
 
     def attach(self, key: str, target: Path) -> bool:
         """Mount image `key` at `target` unless something is mounted there; True when it is there."""

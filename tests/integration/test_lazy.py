@@ -14,6 +14,7 @@ import os
 import re
 import stat
 import subprocess
+import sys
 import tarfile
 import tempfile
 import time
@@ -488,6 +489,10 @@ def test_later_containers_get_metadata_from_the_kernel(lab: Lab, pushed: Pushed,
         stats = Path(meta).parent / "stats.json"
         options = next(line for line in Path("/proc/self/mountinfo").read_text().splitlines() if f" {view} " in line)
         assert "metacopy=on" in options and f"{meta}/0" in options, options
+        doc = json.loads(subprocess.run([sys.executable, "-m", "snapshotter.cli", "status", "--json", "--address",
+                                         str(lab.snapshotter_socket)], capture_output=True, text=True, timeout=30,
+                                        check=True).stdout)
+        assert {m["id"]: m["metadata_image"] for m in doc["mounts"]}[Path(meta).parent.name] is True
         time.sleep(1.2)  # the mount rewrites its stats file every second
         before = fuse_requests()
         names = [os.path.join(d, n) for d, ds, fs in os.walk(view) for n in ds + fs]

@@ -92,3 +92,20 @@ def test_disabled_builds_nothing(tmp_path: Path) -> None:
     images = MetaImages(tmp_path / "root", enabled=False, command_of=_command_of, on_built=lambda k: None)
     images.build(key_of(doc), state)
     assert not images.available and not (tmp_path / "root" / "metaimages").exists()
+
+
+def test_a_failed_build_is_not_retried_on_every_mount(tmp_path: Path) -> None:
+    """A builder that fails (a bad index, say) is logged once; the next ensure of the mount does
+    not start it again (each Mounts call would), the daemon's next start does."""
+    state, doc = _state(tmp_path)
+    runs = tmp_path / "runs"
+    images = MetaImages(tmp_path / "root", enabled=True, on_built=lambda k: None,
+                        command_of=lambda module, *args: ["sh", "-c", f"echo run >> {runs}; exit 2"])
+    key = key_of(doc)
+    images.build(key, state)
+    for _ in range(100):
+        if key in images.failed:
+            break
+        threading.Event().wait(0.05)
+    images.build(key, state)
+    assert runs.read_text() == "run\n" and key in images.failed and images.available
