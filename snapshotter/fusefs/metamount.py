@@ -1,10 +1,11 @@
 """Build a mount's metadata image (`python -m snapshotter.fusefs.metamount STATE_FILE IMAGE`), and mount one.
 
-The daemon starts this, niced, when it starts an image's mount (remote/metaimages.py). It loads
-the same state file as the mount process, builds the same tree (`state.load_tree`), checks
-that this kernel can stack a metadata image (`probe`), and writes the EROFS metadata image of the
-tree (`metaimage.build_meta_image`) to IMAGE, with IMAGE's `.sources.json` listing the layer
-index files it was built from. The daemon mounts it (`mount_erofs`) next to the image's FUSE
+The daemon starts this, idle-scheduled, when it starts an image's mount (remote/metaimages.py).
+It loads the same state file as the mount process, builds the same tree (`state.load_tree`),
+checks that this kernel can stack a metadata image (`probe`; `--no-probe` when the daemon did),
+and writes the EROFS metadata image of the tree (`metaimage.build_meta_image`) to IMAGE, with
+IMAGE's `.sources.json` listing the layer index files it was built from (and the boot and CRC
+that `image_is_whole` checks). The daemon mounts it (`mount_erofs`) next to the image's FUSE
 mount; containers whose snapshots are mounted after that get `lowerdir=META/<run>...::<FUSE
 mountpoint>` with `metacopy=on`: the kernel answers their lookups, stats and readdirs, and only
 opening a file reaches the FUSE mount. Containers started before keep the FUSE lowerdirs; both
@@ -12,8 +13,8 @@ show the same tree.
 
 Exit status: 0 when IMAGE exists (written by this run or one before it, or being written by
 another builder), 3 when the kernel cannot stack a metadata image (the reason is logged), 2 for
-a bad state file or index, 1 for any other failure. IMAGE appears whole or not at all (written to
-a temporary name, synced, renamed).
+a bad state file or index, 1 for any other failure. IMAGE appears under its name only once
+written (a temporary name, then a rename); it runs at SCHED_IDLE.
 """
 
 from __future__ import annotations
@@ -29,11 +30,17 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from snapshotter.errors import SnapshotterError
 from snapshotter.mountinfo import is_mountpoint
+
+if TYPE_CHECKING:
+    from snapshotter.fusefs.state import MountState
+    from snapshotter.fusefs.tree import MountTree
 
 log = logging.getLogger(__name__)
 
@@ -116,49 +123,89 @@ def probe(workdir: Path) -> str | None:
             unmount(meta)
 
 
-def build_image(state_file: Path, image_path: Path) -> int:
-    """The command's work (see the module docstring); returns the exit status."""
-    from snapshotter.fusefs.metaimage import build_meta_image
+def build_image(state_file: Path, image_path: Path, *, check_kernel: bool = True) -> int:
+    """The command's work (see the module docstring); returns the exit status. check_kernel=False
+    skips `probe`."""
     from snapshotter.fusefs.state import load_tree, parse_state
+
+    began = time.monotonic()
+    try:
+        state = parse_state(state_file.read_bytes(), str(state_file))
+        tree = load_tree(state)
+    except (OSError, SnapshotterError) as exc:
+        log.error("event=meta_failed image=%s error=%s", image_path, exc)
+        return 2
+    image_path.parent.mkdir(parents=True, exist_ok=True)
+    why = unstackable(state) or (probe(image_path.parent) if check_kernel else None)
+    if why is not None:
+        log.warning("event=meta_unsupported image=%s reason=%r", image_path, why)
+        return EXIT_UNSUPPORTED
+    built = time.monotonic()
+    size = write_image(tree, state, image_path)
+    log.info("event=meta_built image=%s inodes=%d image_bytes=%d tree_seconds=%.3f image_seconds=%.3f",
+             image_path, len(tree), size, built - began, time.monotonic() - built)
+    return 0
+
+
+def unstackable(state: MountState) -> str | None:
+    """Why a metadata image of this state's tree cannot work, or None."""
+    if any(not x.startswith("trusted.") for x in state.opaque_xattrs):
+        return "opaque markers are not trusted.* xattrs (a userxattr overlay cannot follow metacopy)"
+    return None
+
+
+def write_image(tree: MountTree, state: MountState, image_path: Path) -> int:
+    """Write the metadata image of `tree` (built from `state`) to `image_path`, unless it exists
+    or another writer holds its lock; returns its size in bytes (0 when not written).
+
+    Not synced (an fsync here stalls the journal commits of a container starting meanwhile): the
+    sources file records this boot and the image's CRC, and `image_is_whole` checks the CRC of an
+    image from an earlier boot, which a crash may have left short or zero-filled.
+    """
+    from snapshotter.fusefs.metaimage import build_meta_image
 
     image_path.parent.mkdir(parents=True, exist_ok=True)
     with open(image_path.with_suffix(".lock"), "w") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log.info("event=meta_skipped image=%s reason=another_builder", image_path)
             return 0
         if image_path.exists():
             return 0
-        began = time.monotonic()
-        try:
-            state = parse_state(state_file.read_bytes(), str(state_file))
-            tree = load_tree(state)
-        except (OSError, SnapshotterError) as exc:
-            log.error("event=meta_failed image=%s error=%s", image_path, exc)
-            return 2
-        if any(not x.startswith("trusted.") for x in state.opaque_xattrs):
-            log.warning("event=meta_unsupported image=%s reason=%r", image_path,
-                        "opaque markers are not trusted.* xattrs (a userxattr overlay cannot follow metacopy)")
-            return EXIT_UNSUPPORTED
-        why = probe(image_path.parent)
-        if why is not None:
-            log.warning("event=meta_unsupported image=%s reason=%r; containers keep the FUSE mount for metadata",
-                        image_path, why)
-            return EXIT_UNSUPPORTED
-        built = time.monotonic()
         image = build_meta_image(tree)
-        sources = [spec.index_path for run in state.runs for spec in run]
-        tmp = image_path.with_suffix(".tmp")
+        tmp = image_path.with_name(f"{image_path.name}.{os.getpid()}.tmp")
         with open(tmp, "wb") as f:
             f.write(image)
-            f.flush()
-            os.fsync(f.fileno())
-        _write_sources(image_path, sources)
+        _write_sources(image_path, {"sources": [spec.index_path for run in state.runs for spec in run],
+                                    "boot_id": current_boot_id(), "bytes": len(image), "crc32": zlib.crc32(image)})
         os.replace(tmp, image_path)
-        log.info("event=meta_built image=%s inodes=%d image_bytes=%d tree_seconds=%.3f image_seconds=%.3f",
-                 image_path, len(tree), len(image), built - began, time.monotonic() - built)
-        return 0
+        return len(image)
+
+
+def fork_writer(tree: MountTree, state: MountState, image_path: Path) -> int | None:
+    """Write the metadata image from a forked child at SCHED_IDLE (it shares the tree already in
+    memory: no indexes to load again, and the parent's memory does not grow). Returns the
+    child's pid, or None when there is nothing to write. The child closes every inherited file
+    descriptor first (the FUSE device among them), touches nothing of the parent's event loop,
+    and ends with os._exit: 0 when written (or already there), 1 on any failure."""
+    if image_path.exists() or unstackable(state) is not None:
+        return None
+    pid = os.fork()
+    if pid:
+        return pid
+    status = 1
+    try:
+        os.closerange(3, 1 << 20)
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except (OSError, AttributeError):
+            pass
+        write_image(tree, state, image_path)
+        status = 0
+    except BaseException:  # noqa: BLE001 - a child must never return into the parent's code
+        pass
+    finally:
+        os._exit(status)
 
 
 def sources_path(image_path: Path) -> Path:
@@ -166,23 +213,61 @@ def sources_path(image_path: Path) -> Path:
     return image_path.with_suffix(".sources.json")
 
 
-def _write_sources(image_path: Path, sources: list[str]) -> None:
+def _write_sources(image_path: Path, doc: dict[str, object]) -> None:
     tmp = sources_path(image_path).with_suffix(".tmp")
-    tmp.write_text(json.dumps(sources))
+    tmp.write_text(json.dumps(doc))
     os.replace(tmp, sources_path(image_path))
+
+
+def read_sources(image_path: Path) -> dict[str, Any] | None:
+    """The sources document of `image_path` ({"sources": [index files], "boot_id", "bytes", "crc32"}),
+    or None when it is missing or unreadable."""
+    try:
+        doc = json.loads(sources_path(image_path).read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and isinstance(doc.get("sources"), list) else None
+
+
+def current_boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def image_is_whole(image_path: Path) -> bool:
+    """Whether `image_path` holds all the bytes its builder wrote: trusted as is when built in this
+    boot (the page cache has them, synced or not), else its size and CRC are checked."""
+    doc = read_sources(image_path)
+    if doc is None:
+        return False
+    try:
+        if doc.get("boot_id") and doc.get("boot_id") == current_boot_id():
+            return image_path.stat().st_size == doc.get("bytes")
+        data = image_path.read_bytes()
+    except OSError:
+        return False
+    return len(data) == doc.get("bytes") and zlib.crc32(data) == doc.get("crc32")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m snapshotter.fusefs.metamount", description=__doc__.split("\n")[0])
     parser.add_argument("state_file", help="the mount's JSON state file (remote/mounts.py)")
     parser.add_argument("image", help="the metadata image file to write")
+    parser.add_argument("--no-probe", action="store_true",
+                        help="do not check that the kernel can stack the image (the caller did)")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--log-format", choices=["text", "json"], default="text")
     args = parser.parse_args(argv)
     from snapshotter.logs import setup_logging
 
     setup_logging(args.log_level, args.log_format)
-    return build_image(Path(args.state_file), Path(args.image))
+    try:  # CPU only when nothing else wants it: containers are starting meanwhile
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (OSError, AttributeError):
+        pass
+    return build_image(Path(args.state_file), Path(args.image), check_kernel=not args.no_probe)
 
 
 if __name__ == "__main__":

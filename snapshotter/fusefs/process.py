@@ -45,7 +45,7 @@ from snapshotter.formats.codec import decompress_chunk
 from snapshotter.formats.digest import check_digest
 from snapshotter.formats.index import Chunk, Entry, EntryType, LayerIndex
 from snapshotter.fusefs.ops import FsConfig, LayerReader, LazyOperations, ReadRecorder
-from snapshotter.fusefs.prefetch import Prefetcher, PrefetchSettings
+from snapshotter.fusefs.prefetch import ForegroundGate, Prefetcher, PrefetchSettings
 from snapshotter.fusefs.state import (  # noqa: F401  (LayerSpec, parse_state, ... are this module's API too)
     DEFAULT_READ_AHEAD_KB,
     STATE_VERSION,
@@ -284,12 +284,14 @@ async def serve(state: MountState, tree: MountTree, reader_kinds: Mapping[str, R
             log.error("cannot mount %s: %s", state.mountpoint, exc)
             return 1
         unmounted_outside = False
+        meta_writer = MetaWriter(state, tree)
         try:
             log.info("serving %d inodes from %d layers at %s", len(tree), len(tree.layers), state.mountpoint)
             async with trio.open_nursery() as inner:
                 inner.start_soon(_watch_signals, state, recorder, inner.cancel_scope)
                 inner.start_soon(prefetcher.run)
                 inner.start_soon(_ready_after_prefetch, state, tree, prefetcher)
+                inner.start_soon(meta_writer.when_quiet, prefetcher.gate)
                 await pyfuse3.main(max_tasks=state.max_tasks)
                 # main() returns by itself only when the kernel ended the session.
                 unmounted_outside = True
@@ -297,12 +299,57 @@ async def serve(state: MountState, tree: MountTree, reader_kinds: Mapping[str, R
                 inner.cancel_scope.cancel()
         finally:
             pyfuse3.close(unmount=not unmounted_outside)
+            meta_writer.start()  # a mount that stops before it was ever quiet leaves its image too
             if state.ready_file:
                 with _suppress_oserror():
                     os.unlink(state.ready_file)
             with _suppress_oserror():
                 write_record(state, recorder)
     return 0
+
+
+META_QUIET = 1.0  # seconds without a filesystem request before the metadata image is written
+
+
+class MetaWriter:
+    """Writes the mount's metadata image (state "meta_image": its path) once, from a forked child
+    (metamount.fork_writer), when the mount has been quiet for META_QUIET seconds, or when it
+    stops if it never was: never while a container is starting on it. The daemon mounts the
+    image next to this mount when it appears (remote/metaimages.py)."""
+
+    def __init__(self, state: MountState, tree: MountTree) -> None:
+        path = state.doc.get("meta_image")
+        self.path = Path(path) if isinstance(path, str) and path else None
+        self.state, self.tree = state, tree
+        self.started = False
+
+    def start(self) -> int | None:
+        """Fork the writer unless it was started before; its pid (None: nothing to write)."""
+        if self.path is None or self.started:
+            return None
+        self.started = True
+        from snapshotter.fusefs.metamount import fork_writer
+
+        try:
+            pid = fork_writer(self.tree, self.state, self.path)
+        except OSError as exc:
+            log.warning("event=meta_failed image=%s error=%s", self.path, exc)
+            return None
+        if pid is not None:
+            log.info("event=meta_writing image=%s pid=%d", self.path, pid)
+        return pid
+
+    async def when_quiet(self, gate: ForegroundGate, quiet: float = META_QUIET) -> None:
+        began = trio.current_time()
+        while self.active(gate, quiet, began):
+            await trio.sleep(0.1)
+        pid = self.start()
+        if pid is not None:  # reap it (the process may also exit first: the child is then init's)
+            await trio.to_thread.run_sync(os.waitpid, pid, 0, abandon_on_cancel=True)
+
+    @staticmethod
+    def active(gate: ForegroundGate, quiet: float, began: float) -> bool:
+        return gate.active > 0 or trio.current_time() - max(gate.last_end, began) < quiet
 
 
 def await_assignment(stdin: BinaryIO) -> str | None:

@@ -18,6 +18,8 @@ State file, version 1:
       "max_tasks": 64,               # optional; concurrent FUSE request tasks
       "read_ahead_kb": 1024,         # optional; the mount's kernel read-ahead window (0: kernel default)
       "prefetch_timeout": 10.0,      # optional (else config.prefetch_timeout); see fusefs/prefetch.py
+      "meta_image": "/var/lib/snapshotter/metaimages/<key>.erofs",  # optional; where to write the tree's
+                                     # metadata image once quiet (process.py MetaWriter), unless it exists
       "runs": [                      # lowest run first; each run lowest layer first
         [{"digest": "sha256:...",                         # for logs ("layer_digest" also accepted)
           "index": "/var/lib/snapshotter/layers/<hex>/index.bin",    # index_codec.dump_index output

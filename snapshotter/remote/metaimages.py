@@ -1,20 +1,19 @@
-"""The daemon's metadata images: built once per tree in the background, kept, mounted next to mounts.
+"""The daemon's metadata images: one per tree, written by mount processes, kept, mounted next to mounts.
 
     ROOT/metaimages/<key>.erofs          a metadata image (fusefs/metaimage.py)
-    ROOT/metaimages/<key>.sources.json   the layer index files it was built from
-    ROOT/metaimages/<key>.log            its builder's stderr
+    ROOT/metaimages/<key>.sources.json   the layer index files it was built from, its boot and CRC
 
 The key is a digest of what the mount's tree is made of (each run's layer digests and index files,
 their sizes and mtimes, the bare runs, the image format's version), so the same image pulled again,
-or its mount stopped and started again, finds its metadata image already built: a mount process
-stopped with its last container (remote/mounts.py) does not take the image with it, and the next
-container of the image gets it at once. An image whose index files are gone is removed by `prune`
-(on the daemon's garbage collection).
+or its mount stopped and started again, finds its metadata image already there. The daemon names
+the image's path in each mount's state file ("meta_image"); the mount process writes it from a
+forked child once it has been quiet for a second, or as it stops (fusefs/process.py MetaWriter), so
+nothing competes with a starting container. The daemon mounts it (`attach`) next to a serving
+mount when it exists: when the mount starts, and from its watcher once a second. An image whose
+index files are gone is removed by `prune` (on the daemon's garbage collection).
 
-`build` starts at most one builder per key (`nice -n 19 python -m snapshotter.fusefs.metamount`);
-when it ends, `on_built(key)` is called from its reaper thread. A key whose builder failed is not
-built again by this daemon (a mount's every Mounts call would start it again). A builder that finds the kernel
-unable to stack metadata images (exit 3) turns them off for this daemon (`available` is False).
+The kernel is probed once, in the background, when this is made (`metamount.probe`); nothing is
+mounted before it passed, and a failed probe turns metadata images off for this daemon.
 """
 
 from __future__ import annotations
@@ -23,13 +22,18 @@ import hashlib
 import json
 import logging
 import os
-import subprocess
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from snapshotter.fusefs.metamount import EXIT_UNSUPPORTED, mount_erofs, sources_path
+from snapshotter.fusefs.metamount import (
+    image_is_whole,
+    mount_erofs,
+    probe,
+    read_sources,
+    sources_path,
+)
 from snapshotter.fusefs.metamount import unmount as unmount_meta
 from snapshotter.mountinfo import is_mountpoint
 
@@ -59,73 +63,52 @@ def key_of(state: Mapping[str, Any]) -> str:
 
 
 class MetaImages:
-    """Builds, keeps, mounts and prunes metadata images. Thread-safe."""
+    """Names, mounts and prunes metadata images. Thread-safe."""
 
-    def __init__(self, root: Path, *, enabled: bool, command_of: Callable[..., list[str]],
-                 on_built: Callable[[str], None]) -> None:
+    def __init__(self, root: Path, *, enabled: bool,
+                 probe_kernel: Callable[[Path], str | None] = probe) -> None:
         self.dir = root / "metaimages"
-        self._command_of = command_of
-        self._on_built = on_built
         self._lock = threading.Lock()
-        self._builders: dict[str, subprocess.Popen[bytes]] = {}
         self._unsupported = not enabled
-        self._closed = False
-        self.failed: set[str] = set()  # keys whose builder failed: not retried until the daemon restarts
+        self._probed = threading.Event()
+        if enabled:  # once, now: its mounts and unmounts would hold up a container's own
+            threading.Thread(target=self._probe, args=(probe_kernel,), daemon=True, name="meta-probe").start()
+
+    def _probe(self, probe_kernel: Callable[[Path], str | None]) -> None:
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            why = probe_kernel(self.dir)
+        except Exception as exc:  # noqa: BLE001 - any failure means: do not use metadata images
+            why = repr(exc)
+        if why is not None:
+            self._unsupported = True
+            log.warning("event=meta_unsupported reason=%r; containers keep the FUSE mount for metadata", why)
+        self._probed.set()
 
     @property
     def available(self) -> bool:
         return not self._unsupported
 
+    def wait_probed(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the kernel probe; True once it is done (either way)."""
+        return self._probed.wait(timeout)
+
     def image(self, key: str) -> Path:
         return self.dir / f"{key}{SUFFIX}"
 
-    def build(self, key: str, state_file: Path) -> None:
-        """Start building image `key` from `state_file` unless it exists or is being built."""
-        with self._lock:
-            if self._unsupported or self._closed or key in self.failed or self.image(key).exists():
-                return
-            running = self._builders.get(key)
-            if running is not None and running.poll() is None:
-                return
-            self.dir.mkdir(parents=True, exist_ok=True)
-            command = ["nice", "-n", "19", *self._command_of("snapshotter.fusefs.metamount", str(state_file),
-                                                              str(self.image(key)))]
-            try:
-                with open(self.dir / f"{key}.log", "ab") as out:
-                    proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                            start_new_session=True, close_fds=True)
-            except OSError as exc:
-                log.warning("event=meta_failed key=%s error=%s; containers keep FUSE for metadata", key, exc)
-                return
-            self._builders[key] = proc
-        threading.Thread(target=self._reap, args=(key, proc), daemon=True, name=f"meta-{key[:8]}").start()
-
-    def _reap(self, key: str, proc: subprocess.Popen[bytes]) -> None:
-        status = proc.wait()
-        with self._lock:
-            if self._builders.get(key) is proc:
-                del self._builders[key]
-        if status == 0 and self.image(key).exists():
-            log.info("event=meta_built key=%s", key)
-            self._on_built(key)
-        elif status == EXIT_UNSUPPORTED:
-            self._unsupported = True
-            log.warning("event=meta_unsupported key=%s; containers keep the FUSE mount for metadata (see %s)",
-                        key, self.dir / f"{key}.log")
-        elif status > 0:  # (< 0: killed by close)
-            with self._lock:
-                self.failed.add(key)
-            log.warning("event=meta_failed key=%s status=%d; its containers keep FUSE for metadata, see %s",
-                        key, status, self.dir / f"{key}.log")
-
     def attach(self, key: str, target: Path) -> bool:
         """Mount image `key` at `target` unless something is mounted there; True when it is there."""
-        if self._unsupported:
+        if self._unsupported or not self._probed.is_set():
             return False
         if is_mountpoint(target):
             return True
         image = self.image(key)
         if not image.exists():
+            return False
+        if not image_is_whole(image):  # left short by a crash before it reached the disk
+            log.warning("event=meta_damaged image=%s; the image's next mount writes it again", image)
+            for p in (image, sources_path(image)):
+                p.unlink(missing_ok=True)
             return False
         try:
             target.mkdir(exist_ok=True)
@@ -148,32 +131,18 @@ class MetaImages:
         for image in sorted(self.dir.glob(f"*{SUFFIX}")):
             key = image.name[:-len(SUFFIX)]
             with self._lock:
-                if key in self._builders:
+                doc = read_sources(image)
+                if doc is not None and all(os.path.exists(str(s)) for s in doc["sources"]):
                     continue
-                try:
-                    sources = json.loads(sources_path(image).read_text())
-                except (OSError, ValueError):
-                    sources = None
-                if isinstance(sources, list) and all(os.path.exists(str(s)) for s in sources):
-                    continue
-                for p in (image, sources_path(image), self.dir / f"{key}.log"):
+                for p in (image, sources_path(image), image.with_suffix(".lock")):
                     p.unlink(missing_ok=True)
             removed.append(key)
             log.info("event=meta_pruned key=%s", key)
+        for tmp in self.dir.glob(f"*{SUFFIX}.*.tmp"):  # left by a writer that died: KEY.erofs.PID.tmp
+            pid = tmp.name.split(".")[-2]
+            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                tmp.unlink(missing_ok=True)
         return removed
-
-    def close(self) -> None:
-        """Stop running builders (an image half written is never renamed into place)."""
-        with self._lock:
-            self._closed = True
-            builders = list(self._builders.values())
-        for proc in builders:
-            if proc.poll() is None:
-                proc.kill()
-                try:
-                    proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    pass
 
 
 __all__ = ["FORMAT_VERSION", "MetaImages", "key_of"]

@@ -12,10 +12,11 @@
     ROOT/mounts/<mount id>/meta         the mount's metadata image, mounted (config `metadata_image`)
     ROOT/mounts/spare.log               stderr of the spare mount process until it is given a mount
 
-Metadata image (remote/metaimages.py): when a mount starts, the builder of its tree's metadata
-image starts too (niced, unless the image was built before); once the mount serves and the
-image exists, it is mounted at ROOT/mounts/<id>/meta, and `metadata_dir` names it. Snapshots over
-the image mounted from then on are overlay of META/<run> dirs over the FUSE mount as a data-only
+Metadata image (remote/metaimages.py): the state file names where the mount's tree's metadata
+image belongs ("meta_image"); the mount process writes it once quiet (or as it stops), unless it
+exists. While the mount serves and the image exists, it is mounted at ROOT/mounts/<id>/meta
+(checked when the mount starts and by `watch`), and `metadata_dir` names it: snapshots over the
+image mounted from then on are overlay of META/<run> dirs over the FUSE mount as a data-only
 layer. It is unmounted (lazily) when the mount stops; the image file stays for the next mount.
 
 The spare (config `spare_mount_process`): one mount process started ahead, imports done, that
@@ -140,8 +141,7 @@ class MountManager:
         self._spare_timer: threading.Timer | None = None
         self._closed = False
         self._meta_keys: dict[str, str] = {}  # mount id -> its metadata image's key (under _lock)
-        self.meta = MetaImages(Path(config.root), enabled=config.metadata_image, command_of=self._command_of,
-                               on_built=self._meta_built)
+        self.meta = MetaImages(Path(config.root), enabled=config.metadata_image)
 
     def _paths(self, mount_id: str) -> tuple[Path, Path, Path, Path]:
         if not mount_id.isdigit():
@@ -206,13 +206,12 @@ class MountManager:
                                       "format": layer.format}}
                           for layer in run] for run in runs],
             }
+            if self.meta.available:
+                key = self._meta_keys[mount_id] = key_of(doc)
+                doc["meta_image"] = str(self.meta.image(key))  # the mount process writes it when quiet
             tmp = state.with_suffix(".tmp")
             tmp.write_text(json.dumps(doc, indent=1))
             os.replace(tmp, state)
-            if self.meta.available:
-                key = self._meta_keys[mount_id] = key_of(doc)
-                # From a thread: starting a process costs the daemon milliseconds on this start path.
-                threading.Thread(target=self.meta.build, args=(key, state), daemon=True).start()
             pidf.unlink(missing_ok=True)
             in_use.unlink(missing_ok=True)
             if not ahead:
@@ -245,10 +244,7 @@ class MountManager:
                              f"see {logf}")
 
     def _command(self, *args: str) -> list[str]:
-        return self._command_of("snapshotter.fusefs", *args)
-
-    def _command_of(self, module: str, *args: str) -> list[str]:
-        return [sys.executable, "-m", module, *args, "--log-level", self.config.log_level,
+        return [sys.executable, "-m", "snapshotter.fusefs", *args, "--log-level", self.config.log_level,
                 "--log-format", self.config.log_format]
 
     def _launch(self, state: Path, logf: Path) -> subprocess.Popen[bytes]:
@@ -291,20 +287,13 @@ class MountManager:
         return key
 
     def _attach_meta(self, mount_id: str) -> None:
-        """Under _lock, for a serving mount: mount its metadata image if it is built, else have it built."""
-        if not self.meta.available:
+        """Under _lock, for a serving mount: mount its metadata image next to it if it exists."""
+        meta = self.dir / mount_id / META_DIR
+        if not self.meta.available or is_mountpoint(meta):
             return
         key = self._meta_key(mount_id)
-        if key is not None and not self.meta.attach(key, self.dir / mount_id / META_DIR):
-            self.meta.build(key, self._paths(mount_id)[1])
-
-    def _meta_built(self, key: str) -> None:
-        """A builder finished image `key`: mount it next to each serving mount of that tree."""
-        with self._lock:
-            for mount_id, k in list(self._meta_keys.items()):
-                if k == key and self._pid(mount_id) is not None and is_mountpoint(self._paths(mount_id)[0]):
-                    if self.meta.attach(key, self.dir / mount_id / META_DIR):
-                        log.info("event=meta_mounted mount=%s key=%s", mount_id, key)
+        if key is not None and self.meta.attach(key, meta):
+            log.info("event=meta_mounted mount=%s key=%s", mount_id, key)
 
     def prune_metadata_images(self) -> list[str]:
         """Remove metadata images whose layer indexes are gone (garbage collection)."""
@@ -348,9 +337,8 @@ class MountManager:
         log.debug("event=spare_started pid=%d", self._spare.pid)
 
     def close(self) -> None:
-        """Stop the spare (closing its stdin ends it) and running metadata image builders; mount
-        processes (and metadata images already mounted) are left serving."""
-        self.meta.close()
+        """Stop the spare (closing its stdin ends it); mount processes (and their metadata images)
+        are left serving."""
         with self._spare_lock:
             self._closed = True
             if self._spare_timer is not None:
@@ -405,8 +393,9 @@ class MountManager:
 
     def watch(self, stop: threading.Event, interval: float = WATCH_INTERVAL) -> None:
         """Until `stop` is set: report each mount process that died (WARN `event=mount_died`, once
-        per process). Only pids are checked, never a mountpoint (a hung process would block the
-        stat); the image's next Prepare/Mounts replaces the process (`ensure`)."""
+        per process), and mount a serving mount's metadata image once its process wrote it. Only
+        pids are checked, never a mountpoint (a hung process would block the stat); the image's
+        next Prepare/Mounts replaces the process (`ensure`)."""
         while not stop.wait(interval):
             try:
                 for mount_id in sorted(self.mounted_ids()):
@@ -418,6 +407,8 @@ class MountManager:
                             self._reported_dead.add((mount_id, pid))
                             log.warning("event=mount_died mount=%s pid=%d detected_by=watch; the image's "
                                         "next container start replaces it", mount_id, pid)
+                        else:  # serving: its metadata image may have been written since
+                            self._attach_meta(mount_id)
             except Exception:  # the watcher must outlive a surprise (a dir removed meanwhile...)
                 log.exception("event=mount_watch_failed")
 

@@ -14,6 +14,7 @@ import stat
 import struct
 import subprocess
 import time
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any
 
 from snapshotter.formats.index import Entry, EntryType, LayerIndex
 from snapshotter.fusefs.metaimage import METACOPY_XATTR, REDIRECT_XATTR, build_meta_image
-from snapshotter.fusefs.metamount import build_image, mount_erofs, probe, sources_path, unmount
+from snapshotter.fusefs.metamount import build_image, image_is_whole, mount_erofs, probe, sources_path, unmount
 from snapshotter.fusefs.tree import build_tree
 from snapshotter.mountinfo import is_mountpoint
 from tests.fusefs.layers import tree_facts
@@ -64,7 +65,8 @@ def test_stacked_metadata_image_shows_the_reference_tree(built: dict[str, Any], 
                        stats_file=str(tmp_path / "stats.json")) as m:
         meta, image = tmp_path / "meta", tmp_path / "images" / "x.erofs"
         assert build_image(m.state_path, image) == 0, m.log()
-        assert json.loads(sources_path(image).read_text()) == [s["index"] for s in specs[0:2] + specs[3:5]]
+        assert json.loads(sources_path(image).read_text())["sources"] == [s["index"] for s in specs[0:2] + specs[3:5]]
+        assert image_is_whole(image)
         meta.mkdir()
         mount_erofs(image, meta)
         try:
@@ -140,3 +142,55 @@ def test_meta_image_of_special_files_matches_the_tree(tmp_path: Path) -> None:
         assert read_all(mnt / "x") == b"\x00"  # the image has no data: a direct read gives zeros
     finally:
         unmount(mnt)
+
+
+def test_an_image_from_an_earlier_boot_is_checked_against_its_crc(tmp_path: Path) -> None:
+    """Images are not synced: one built before a crash may be short or zero-filled on disk."""
+    image = tmp_path / "k.erofs"
+    data = b"\x01" * 10_000
+    image.write_bytes(data)
+    doc = {"sources": [], "boot_id": "another-boot", "bytes": len(data), "crc32": zlib.crc32(data)}
+    sources_path(image).write_text(json.dumps(doc))
+    assert image_is_whole(image)
+    image.write_bytes(b"\x00" * len(data))  # what a crash can leave: the size, not the bytes
+    assert not image_is_whole(image)
+    image.write_bytes(data[:5000])
+    assert not image_is_whole(image)
+    sources_path(image).unlink()
+    assert not image_is_whole(image)
+
+
+def _wait_for_file(path: Path, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_the_mount_process_writes_its_image_once_quiet(built: dict[str, Any], tmp_path: Path) -> None:  # noqa: F811
+    """From a forked child, after a second without requests; the same image the builder writes."""
+    image = tmp_path / "images" / "k.erofs"
+    with mount_process(tmp_path, [built["specs"][0:2]], subtrees=True, bare_runs=[0], meta_image=str(image)) as m:
+        assert read_all(m.mountpoint / "0/etc/passwd")  # a request: the quiet second starts again
+        assert _wait_for_file(image, 30), m.log()
+        assert "event=meta_writing" in m.log() and image_is_whole(image)
+        ref = tmp_path / "ref.erofs"
+        assert build_image(m.state_path, ref) == 0
+        assert image.read_bytes() == ref.read_bytes()
+        time.sleep(0.5)
+        children = subprocess.run(["ps", "--ppid", str(m.proc.pid), "-o", "stat="], capture_output=True,
+                                  text=True, timeout=10).stdout.split()
+        assert not any(s.startswith("Z") for s in children), "the writer was not reaped"
+        assert m.proc.poll() is None  # still serving
+
+
+def test_a_mount_stopped_before_it_was_quiet_still_leaves_its_image(built: dict[str, Any],  # noqa: F811
+                                                                   tmp_path: Path) -> None:
+    image = tmp_path / "images" / "k.erofs"
+    with mount_process(tmp_path, [built["specs"][0:2]], subtrees=True, bare_runs=[0], meta_image=str(image)) as m:
+        assert not image.exists()
+    assert m.proc.returncode == 0
+    assert _wait_for_file(image, 30), m.log()
+    assert image_is_whole(image)
