@@ -80,8 +80,8 @@ class Config:
         "doc": "keep one mount process started ahead, so an image's mount skips Python start-up (about 37 MiB "
                "while it waits)"})
     metadata_image: bool = field(default=True, metadata={
-        "doc": "build an EROFS image of each image's file tree in the background (once; kept) and mount it next "
-               "to the image's mount, so containers started after it is built get lookups, stats and directory "
+        "doc": "write an EROFS image of each image's file tree once its mount is idle (once; kept) and mount it "
+               "next to the image's mount, so containers started after that get lookups, stats and directory "
                "listings from the kernel and reach the FUSE mount only to read file bytes (needs Linux 6.5+; "
                "checked, else off)"})
     registry: RegistryConfig = field(default_factory=RegistryConfig)

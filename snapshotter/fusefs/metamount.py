@@ -158,9 +158,9 @@ def write_image(tree: MountTree, state: MountState, image_path: Path) -> int:
     """Write the metadata image of `tree` (built from `state`) to `image_path`, unless it exists
     or another writer holds its lock; returns its size in bytes (0 when not written).
 
-    Not synced (an fsync here stalls the journal commits of a container starting meanwhile): the
-    sources file records this boot and the image's CRC, and `image_is_whole` checks the CRC of an
-    image from an earlier boot, which a crash may have left short or zero-filled.
+    Not synced (an fsync forces a journal commit, which a container starting meanwhile may wait
+    on): the sources file records this boot and the image's CRC, and `image_is_whole` checks the
+    CRC of an image from an earlier boot, which a crash may have left short or zero-filled.
     """
     from snapshotter.fusefs.metaimage import build_meta_image
 
