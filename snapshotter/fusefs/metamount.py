@@ -190,6 +190,8 @@ def fork_writer(tree: MountTree, state: MountState, image_path: Path) -> int | N
     and ends with os._exit: 0 when written (or already there), 1 on any failure."""
     if image_path.exists() or unstackable(state) is not None:
         return None
+    import snapshotter.fusefs.metaimage  # noqa: F401  (imported here, so the child imports nothing)
+
     pid = os.fork()
     if pid:
         return pid
