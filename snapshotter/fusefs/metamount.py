@@ -1,20 +1,20 @@
-"""Build a mount's metadata image (`python -m snapshotter.fusefs.metamount STATE_FILE IMAGE`), and mount one.
+"""Write and mount metadata images (fusefs/metaimage.py); `python -m snapshotter.fusefs.metamount STATE IMAGE`.
 
-The daemon starts this, idle-scheduled, when it starts an image's mount (remote/metaimages.py).
-It loads the same state file as the mount process, builds the same tree (`state.load_tree`),
-checks that this kernel can stack a metadata image (`probe`; `--no-probe` when the daemon did),
-and writes the EROFS metadata image of the tree (`metaimage.build_meta_image`) to IMAGE, with
-IMAGE's `.sources.json` listing the layer index files it was built from (and the boot and CRC
-that `image_is_whole` checks). The daemon mounts it (`mount_erofs`) next to the image's FUSE
-mount; containers whose snapshots are mounted after that get `lowerdir=META/<run>...::<FUSE
-mountpoint>` with `metacopy=on`: the kernel answers their lookups, stats and readdirs, and only
-opening a file reaches the FUSE mount. Containers started before keep the FUSE lowerdirs; both
-show the same tree.
+`write_image` writes the EROFS metadata image of a mount's tree to IMAGE, with IMAGE's
+`.sources.json` listing the layer index files it was built from (and the boot and CRC that
+`image_is_whole` checks). A mount process calls it through `fork_writer` once it is quiet
+(process.py MetaWriter); the daemon checks once that the kernel can stack such an image (`probe`)
+and mounts it (`mount_erofs`) next to the image's FUSE mount (remote/metaimages.py). Containers
+whose snapshots are mounted after that get `lowerdir=META/<run>...::<FUSE mountpoint>` with
+`metacopy=on`: the kernel answers their lookups, stats and readdirs, and only opening a file
+reaches the FUSE mount. Containers started before keep the FUSE lowerdirs; both show the same tree.
 
-Exit status: 0 when IMAGE exists (written by this run or one before it, or being written by
-another builder), 3 when the kernel cannot stack a metadata image (the reason is logged), 2 for
-a bad state file or index, 1 for any other failure. IMAGE appears under its name only once
-written (a temporary name, then a rename); it runs at SCHED_IDLE.
+The command does the same from a state file, by hand: it loads the tree as the mount process does
+(`state.load_tree`), probes the kernel (unless `--no-probe`), and writes IMAGE at SCHED_IDLE.
+Its exit status: 0 when IMAGE exists (written by this run or one before it, or being written by
+another writer), 3 when the kernel cannot stack a metadata image (the reason is logged), 2 for a
+bad state file or index, 1 for any other failure. IMAGE appears under its name only once written
+(a temporary name, then a rename).
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 IMAGE_NAME = "meta.erofs"
-LOCK_NAME = "meta.lock"
 EXIT_UNSUPPORTED = 3
 _MS_RDONLY = 1
 _MS_NOSUID = 2
@@ -239,7 +238,7 @@ def current_boot_id() -> str:
 
 
 def image_is_whole(image_path: Path) -> bool:
-    """Whether `image_path` holds all the bytes its builder wrote: trusted as is when built in this
+    """Whether `image_path` holds all the bytes its writer wrote: trusted as is when built in this
     boot (the page cache has them, synced or not), else its size and CRC are checked."""
     doc = read_sources(image_path)
     if doc is None:

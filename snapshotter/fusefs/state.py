@@ -1,8 +1,7 @@
-"""The mount state file: what the daemon hands a mount process (and a metadata image builder).
+"""The mount state file: what the daemon hands a mount process, parsed, and the tree it describes.
 
-Light on purpose (no pyfuse3, trio or HTTP imports): the metadata image builder
-(fusefs/metamount.py) loads the same tree as the mount process, and its start-up time is CPU taken
-from a container starting next to it.
+Light on purpose (no pyfuse3, trio or HTTP imports): `python -m snapshotter.fusefs.metamount`
+loads the same tree as the mount process without them.
 
 State file, version 1:
     {
