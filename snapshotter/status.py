@@ -32,6 +32,7 @@ from typing import Any
 
 from snapshotter.mountinfo import is_mountpoint
 from snapshotter.remote.labels import CRI_IMAGE_REF, CRI_LAYER_DIGEST, REMOTE_LABEL, STARGZ_DIGEST, STARGZ_REFERENCE
+from snapshotter.remote.metaimages import META_DIR
 from snapshotter.remote.mountstats import mount_stats, read_json
 from snapshotter.remote.store import LayerStore
 from snapshotter.snapshots.model import Info, Kind
@@ -76,7 +77,7 @@ def build_status(infos: list[Info], layers: LayerStore, mounts_dir: Path,
         is_alive = alive(mount_id)
         m: dict[str, Any] = {"id": mount_id, "pid": pids[mount_id], "alive": is_alive, "images": refs,
                              "layers": sum(len(run) for run in state.get("runs", [])),
-                             "metadata_image": is_mountpoint(mounts_dir / mount_id / "meta")}
+                             "metadata_image": is_mountpoint(mounts_dir / mount_id / META_DIR)}
         sdoc = stats.get(mount_id)
         age = now - float(sdoc.get("time", 0)) if sdoc else None
         if age is not None:

@@ -22,8 +22,6 @@ image's directories together with the data-only layer.
 
 from __future__ import annotations
 
-import stat
-
 from snapshotter.formats import rafs_layout as L
 from snapshotter.formats.index import Compression, EntryType
 from snapshotter.formats.rafs_bootstrap import build_bootstrap
@@ -32,16 +30,6 @@ from snapshotter.fusefs.tree import ROOT_INODE, MountTree
 
 METACOPY_XATTR = "trusted.overlay.metacopy"
 REDIRECT_XATTR = "trusted.overlay.redirect"
-
-_TYPE_BITS = {
-    EntryType.DIR: stat.S_IFDIR,
-    EntryType.REG: stat.S_IFREG,
-    EntryType.SYMLINK: stat.S_IFLNK,
-    EntryType.CHAR: stat.S_IFCHR,
-    EntryType.BLOCK: stat.S_IFBLK,
-    EntryType.FIFO: stat.S_IFIFO,
-}
-
 
 def redirect_of(path: str) -> bytes:
     """The redirect xattr value of the file at `path` (relative to the FUSE mount root)."""
@@ -70,7 +58,7 @@ def build_meta_image(tree: MountTree) -> bytes:
             size = len(target)
         elif node.type in (EntryType.CHAR, EntryType.BLOCK):
             rdev = L.encode_dev(node.dev_major, node.dev_minor)
-        made[inode] = _Node(mode=_TYPE_BITS[node.type] | node.mode, uid=node.uid, gid=node.gid, mtime=mtime,
+        made[inode] = _Node(mode=node.st_mode, uid=node.uid, gid=node.gid, mtime=mtime,
                             mtime_nsec=nsec, size=size, xattrs=xattrs, target=target, rdev=rdev)
         if node.type is EntryType.DIR:
             prefix = paths[inode] + "/" if paths[inode] else ""

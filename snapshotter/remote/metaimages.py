@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1  # bump when build_meta_image's output for the same tree changes
 SUFFIX = ".erofs"
+META_DIR = "meta"  # where a mount's metadata image is mounted: ROOT/mounts/<id>/meta
 
 
 def key_of(state: Mapping[str, Any]) -> str:
@@ -68,7 +69,6 @@ class MetaImages:
     def __init__(self, root: Path, *, enabled: bool,
                  probe_kernel: Callable[[Path], str | None] = probe) -> None:
         self.dir = root / "metaimages"
-        self._lock = threading.Lock()
         self._unsupported = not enabled
         self._probed = threading.Event()
         if enabled:  # once, now: its mounts and unmounts would hold up a container's own
@@ -130,12 +130,11 @@ class MetaImages:
             return removed
         for image in sorted(self.dir.glob(f"*{SUFFIX}")):
             key = image.name[:-len(SUFFIX)]
-            with self._lock:
-                doc = read_sources(image)
-                if doc is not None and all(os.path.exists(str(s)) for s in doc["sources"]):
-                    continue
-                for p in (image, sources_path(image), image.with_suffix(".lock")):
-                    p.unlink(missing_ok=True)
+            doc = read_sources(image)
+            if doc is not None and all(os.path.exists(str(s)) for s in doc["sources"]):
+                continue
+            for p in (image, sources_path(image), image.with_suffix(".lock")):
+                p.unlink(missing_ok=True)
             removed.append(key)
             log.info("event=meta_pruned key=%s", key)
         for tmp in self.dir.glob(f"*{SUFFIX}.*.tmp"):  # left by a writer that died: KEY.erofs.PID.tmp
@@ -145,4 +144,4 @@ class MetaImages:
         return removed
 
 
-__all__ = ["FORMAT_VERSION", "MetaImages", "key_of"]
+__all__ = ["FORMAT_VERSION", "META_DIR", "MetaImages", "key_of"]

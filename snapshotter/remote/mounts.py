@@ -53,7 +53,7 @@ from snapshotter.config import Config
 from snapshotter.errors import SnapshotterError
 from snapshotter.mountinfo import is_mountpoint
 from snapshotter.remote.backend import RemoteLayer
-from snapshotter.remote.metaimages import MetaImages, key_of
+from snapshotter.remote.metaimages import META_DIR, MetaImages, key_of
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,6 @@ STOP_TIMEOUT = 5.0
 SPARE_DELAY = 2.0  # seconds after a hand-off before the next spare starts (off the container's start path)
 SPARE_LOG = "spare.log"
 WATCH_INTERVAL = 1.0  # seconds between checks of the mount processes' pids (`watch`)
-META_DIR = "meta"
 
 
 class MountError(SnapshotterError):
