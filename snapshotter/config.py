@@ -79,6 +79,10 @@ class Config:
     spare_mount_process: bool = field(default=True, metadata={
         "doc": "keep one mount process started ahead, so an image's mount skips Python start-up (about 37 MiB "
                "while it waits)"})
+    preload_metadata: bool = field(default=True, metadata={
+        "doc": "hand the spare mount process each lazy layer's metadata (TOC, bootstrap) as the daemon resolves "
+               "it, so the spare parses it on another core at the same time and the image's mount starts from it "
+               "instead of loading the daemon's copy afterwards (needs spare_mount_process)"})
     metadata_image: bool = field(default=True, metadata={
         "doc": "write an EROFS image of each image's file tree once its mount is idle (once; kept) and mount it "
                "next to the image's mount, so containers started after that get lookups, stats and directory "

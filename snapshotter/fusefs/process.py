@@ -15,7 +15,8 @@ Exit status: 0 after a clean stop or an external unmount; 2 for a bad state file
 1 when mounting fails.
 
 `--spare` instead of STATE_FILE: start up (imports), then wait for {"state": PATH, "log": PATH} on
-stdin and serve that state file; exit 0 at end of stdin (`await_assignment`, remote/mounts.py).
+stdin, parsing the layer metadata the daemon hands it meanwhile (fusefs/spare.py), and serve
+that state file; exit 0 at end of stdin (`await_assignment`, remote/mounts.py).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from snapshotter.formats.digest import check_digest
 from snapshotter.formats.index import Chunk, Entry, EntryType, LayerIndex
 from snapshotter.fusefs.ops import FsConfig, LayerReader, LazyOperations, ReadRecorder
 from snapshotter.fusefs.prefetch import ForegroundGate, Prefetcher, PrefetchSettings
+from snapshotter.fusefs.spare import Assignment, wait_for_assignment
 from snapshotter.fusefs.state import (  # noqa: F401  (LayerSpec, parse_state, ... are this module's API too)
     DEFAULT_READ_AHEAD_KB,
     STATE_VERSION,
@@ -352,28 +354,24 @@ class MetaWriter:
         return gate.active > 0 or trio.current_time() - max(gate.last_end, began) < quiet
 
 
-def await_assignment(stdin: BinaryIO) -> str | None:
-    """The spare's wait: one line {"state": PATH, "log": PATH} on `stdin`, or None at end of input.
-    Takes the assignment: stdout/stderr go to the log file, stdin to /dev/null, and the working
-    directory becomes the state file's directory (how the daemon recognises this process later)."""
-    line = stdin.readline()
-    if not line.strip():
+def await_assignment(stdin: BinaryIO) -> Assignment | None:
+    """The spare's wait (fusefs/spare.py: preloads, then one line {"state": PATH, "log": PATH} on
+    `stdin`), or None at end of input. Takes the assignment: stdout/stderr go to the log file,
+    stdin to /dev/null, and the working directory becomes the state file's directory (how the
+    daemon recognises this process later)."""
+    found = wait_for_assignment(stdin)
+    if found is None:
         return None
-    try:
-        doc = json.loads(line)
-        state, log_path = str(doc["state"]), doc.get("log")
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"spare mount process: bad assignment {line[:200]!r}: {exc}") from None
-    if log_path:
-        fd = os.open(str(log_path), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    if found.log:
+        fd = os.open(found.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
     null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
     os.dup2(null, 0)
     os.close(null)
-    os.chdir(os.path.dirname(os.path.abspath(state)))
-    return state
+    os.chdir(os.path.dirname(os.path.abspath(found.state)))
+    return found
 
 
 def main(argv: Sequence[str] | None = None, *, reader_kinds: Mapping[str, ReaderFactory] | None = None) -> int:
@@ -397,21 +395,27 @@ def main(argv: Sequence[str] | None = None, *, reader_kinds: Mapping[str, Reader
 
     kinds = {**READER_KINDS, "registry": registry_reader, **(reader_kinds or {})}
     state_file = args.state_file
+    preloaded: dict[str, LayerIndex] = {}
+    prebuilt: tuple[tuple[str, ...], MountTree] | None = None
     if args.spare:
         from snapshotter.fetch.client import warm_up
 
         warm_up()  # what the first request of any mount would otherwise pay
         try:
-            state_file = await_assignment(sys.stdin.buffer)
+            found = await_assignment(sys.stdin.buffer)
         except (OSError, ConfigError) as exc:
             log.error("%s", exc)
             return 2
-        if state_file is None:
+        if found is None:
             return 0  # the daemon stopped before it needed this process
+        state_file, preloaded = found.state, found.preloaded
+        if found.prebuilt is not None:
+            prebuilt = (found.prebuilt.keys, found.prebuilt.tree)
     try:
         state = parse_state(Path(state_file).read_bytes(), state_file)
         with gc_paused():
-            tree = load_tree(state)
+            tree = load_tree(state, preloaded, prebuilt)
+            del preloaded, prebuilt
             # The tree lives as long as the process: later collections need not scan it. Frozen
             # before the collector is back on, or its first pass scans the whole tree (9 ms for
             # 11,000 files, on the container's start path).

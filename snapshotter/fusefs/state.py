@@ -22,6 +22,8 @@ State file, version 1:
       "runs": [                      # lowest run first; each run lowest layer first
         [{"digest": "sha256:...",                         # for logs ("layer_digest" also accepted)
           "index": "/var/lib/snapshotter/layers/<hex>/index.bin",    # index_codec.dump_index output
+          "parse_key": "<hex>",      # optional; MetadataParse.key of the parse that made the index:
+                                     # an index the spare parsed under this key is used instead
           "reader": {"kind": "file", "blob_path": "/path/to/blob"}}]  # kind picks a ReaderFactory
       ]
     }
@@ -61,6 +63,7 @@ class LayerSpec:
     index_path: str
     reader: Mapping[str, Any]
     digest: str = ""
+    parse_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,8 @@ def parse_state(data: bytes, what: str = "state file") -> MountState:
             reader = typed_field(layer, "reader", dict, lw)
             typed_field(reader, "kind", str, lw + " reader")
             digest = typed_field(layer, "digest", str, lw, "") or typed_field(layer, "layer_digest", str, lw, "")
-            specs.append(LayerSpec(index_path=typed_field(layer, "index", str, lw), reader=reader, digest=digest))
+            specs.append(LayerSpec(index_path=typed_field(layer, "index", str, lw), reader=reader, digest=digest,
+                                   parse_key=typed_field(layer, "parse_key", (str, type(None)), lw, None)))
         runs.append(tuple(specs))
     if not runs:
         raise ConfigError(f"{what}: no runs")
@@ -149,13 +153,35 @@ def parse_state(data: bytes, what: str = "state file") -> MountState:
     )
 
 
-def load_tree(state: MountState) -> MountTree:
-    """Load every run's persisted indexes and merge them. FormatError / OSError name the file."""
+def _is_prebuilt(state: MountState, keys: tuple[str, ...]) -> bool:
+    """Whether `state` asks for the tree build_tree makes of one run of layers with these parse
+    keys, default options, run 0 bare."""
+    return (len(state.runs) == 1 and tuple(spec.parse_key for spec in state.runs[0]) == keys
+            and state.subtrees and state.bare_runs == (0,) and state.opaque_xattrs == DEFAULT_OPAQUE_XATTRS)
+
+
+def load_tree(state: MountState, preloaded: Mapping[str, LayerIndex] | None = None,
+              prebuilt: tuple[tuple[str, ...], MountTree] | None = None) -> MountTree:
+    """Load every run's persisted indexes and merge them. FormatError / OSError name the file.
+    preloaded: indexes already parsed, by parse key (fusefs/spare.py); a layer whose parse_key is
+    among them uses that index instead of loading its file. prebuilt: (parse keys, tree) of a tree
+    built ahead from one run of those layers with build_tree's defaults and run 0 bare; returned
+    when the state asks for exactly that."""
+    if prebuilt is not None and _is_prebuilt(state, prebuilt[0]):
+        tree = prebuilt[1]
+        log.info("event=tree_built layers=%d inodes=%d preloaded=%d prebuilt=true load_seconds=0.000 "
+                 "build_seconds=0.000", len(tree.layers), len(tree), len(prebuilt[0]))
+        return tree
     began = time.monotonic()
     runs: list[list[LayerIndex]] = []
+    reused = 0
     for run in state.runs:
         indexes = []
         for spec in run:
+            if preloaded and spec.parse_key is not None and spec.parse_key in preloaded:
+                indexes.append(preloaded[spec.parse_key])
+                reused += 1
+                continue
             try:
                 # No name for the file's bytes: they go as soon as the index is made, not after
                 # the tree (of which they would be a sixth).
@@ -165,6 +191,6 @@ def load_tree(state: MountState) -> MountTree:
         runs.append(indexes)
     loaded = time.monotonic()
     tree = build_tree(runs, subtrees=state.subtrees, opaque_xattrs=state.opaque_xattrs, bare_runs=state.bare_runs)
-    log.info("event=tree_built layers=%d inodes=%d load_seconds=%.3f build_seconds=%.3f",
-             len(tree.layers), len(tree), loaded - began, time.monotonic() - loaded)
+    log.info("event=tree_built layers=%d inodes=%d preloaded=%d load_seconds=%.3f build_seconds=%.3f",
+             len(tree.layers), len(tree), reused, loaded - began, time.monotonic() - loaded)
     return tree

@@ -37,6 +37,7 @@ from snapshotter.errors import (
 from snapshotter.fetch.auth import AuthError
 from snapshotter.fetch.client import RegistryClient, counting_bytes
 from snapshotter.fetch.reference import parse_reference
+from snapshotter.formats.metadata_parse import MetadataParse
 from snapshotter.reader import cache_keys
 from snapshotter.remote.claims import LayerClaims
 from snapshotter.remote.labels import (
@@ -71,6 +72,7 @@ class RemoteLayer:
     format: str
     index_path: str
     blob_size: int
+    parse_key: str | None = None  # LayerMeta.parse_key
 
 
 class Mounter(Protocol):
@@ -82,6 +84,7 @@ class Mounter(Protocol):
     def mounted_ids(self) -> set[str]: ...
     def metadata_dir(self, mount_id: str) -> str | None: ...
     def prune_metadata_images(self) -> list[str]: ...
+    def preload(self, parse: MetadataParse, data: bytes, image_layers: tuple[str, ...] = ()) -> None: ...
 
 
 def fallback_reason(exc: BaseException) -> str:
@@ -169,14 +172,15 @@ class RemoteBackend:
                 try:
                     with trio.fail_after(self.config.resolve_timeout):
                         resolved = await resolve_layer(client, ref, max_toc_bytes=self.config.limits.max_toc_bytes,
-                                                       max_bootstrap_bytes=bootstrap_cap)
+                                                       max_bootstrap_bytes=bootstrap_cap,
+                                                       on_metadata=self.mounter.preload)
                 finally:
                     metrics.RESOLVE_BYTES.labels(_registry_of(ref.image_ref)).inc(fetched[0])
             return resolved, fetched[0]
 
         resolved, fetched = self.resolve_loop.run(job)  # parsing ran in the loop; saving runs here
         self.layers.save(LayerMeta(ref.layer_digest, resolved.format, resolved.blob_size, ref.image_ref,
-                                   resolved.index.toc_digest), resolved.index)
+                                   resolved.index.toc_digest, resolved.parse_key), resolved.index)
         return resolved.format, fetched, resolved.metadata_bytes
 
     def _try_remote(self, target: str, parent: str, labels: Mapping[str, str]) -> bool:
@@ -320,7 +324,7 @@ class RemoteBackend:
             raise FormatError(f"remote snapshot {info.name!r}: layer {ref.layer_digest} is not resolved under "
                               f"{self.layers.root}; remove the image and pull it again")
         return RemoteLayer(ref.layer_digest, ref.image_ref, meta.format,
-                           str(self.layers.index_path(ref.layer_digest)), meta.blob_size)
+                           str(self.layers.index_path(ref.layer_digest)), meta.blob_size, meta.parse_key)
 
     def _release_unused(self) -> None:
         with self._mount_lock:

@@ -11,6 +11,7 @@
                                         mount started on pull fetches in background only after it
     ROOT/mounts/<mount id>/meta         the mount's metadata image, mounted (config `metadata_image`)
     ROOT/mounts/spare.log               stderr of the spare mount process until it is given a mount
+    ROOT/mounts/preload/<key>           a layer's metadata bytes, handed to the spare to parse ahead
 
 Metadata image (remote/metaimages.py): the state file names where the mount's tree's metadata
 image belongs ("meta_image"); the mount process writes it once quiet (or as it stops), unless it
@@ -26,6 +27,13 @@ An unassigned spare exits when its stdin closes (the daemon stopped or died). An
 changes its working directory to its mount's directory, which is how it is recognised later
 (its command line names no state file).
 
+Preloads (`preload`): while the daemon parses a lazy layer's metadata on a Prepare, the spare is
+handed the same bytes (a file under ROOT/mounts/preload and a line {"preload": MetadataParse doc,
+"data": PATH} on its stdin) and parses them on the other core; the state file names each layer's
+parse key, and the spare, once handed a mount, uses the indexes it parsed instead of loading the
+persisted ones. The daemon's Prepare and the mount's readiness no longer run one after the other
+(fusefs/spare.py). Only an optimization: a preload that cannot be handed over is dropped.
+
 A mount process runs in its own session (not in the daemon's process group), so a daemon
 restart or SIGKILL leaves it serving; the next daemon adopts it when its pid is alive, is a
 mount process for that state file, and its mountpoint answers. A dead one leaves a stale FUSE
@@ -36,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -51,6 +60,7 @@ from pathlib import Path
 from snapshotter import metrics
 from snapshotter.config import Config
 from snapshotter.errors import SnapshotterError
+from snapshotter.formats.metadata_parse import MetadataParse
 from snapshotter.mountinfo import is_mountpoint
 from snapshotter.remote.backend import RemoteLayer
 from snapshotter.remote.metaimages import META_DIR, MetaImages, key_of
@@ -65,6 +75,9 @@ STATS_FILE = "stats.json"
 STOP_TIMEOUT = 5.0
 SPARE_DELAY = 2.0  # seconds after a hand-off before the next spare starts (off the container's start path)
 SPARE_LOG = "spare.log"
+PRELOAD_DIR = "preload"
+# Metadata larger than this is not preloaded: the spare would hold it while it waits.
+PRELOAD_MAX_BYTES = 64 << 20
 WATCH_INTERVAL = 1.0  # seconds between checks of the mount processes' pids (`watch`)
 
 
@@ -138,7 +151,10 @@ class MountManager:
         self._spare_lock = threading.Lock()  # guards the three below; never held while waiting on a mount
         self._spare: subprocess.Popen[bytes] | None = None
         self._spare_timer: threading.Timer | None = None
+        self._spare_io = threading.Lock()  # one writer of the spare's stdin at a time (whole lines)
         self._closed = False
+        self.preload_dir = self.dir / PRELOAD_DIR
+        shutil.rmtree(self.preload_dir, ignore_errors=True)  # what an earlier daemon's spare never read
         self._meta_keys: dict[str, str] = {}  # mount id -> its metadata image's key (under _lock)
         self.meta = MetaImages(Path(config.root), enabled=config.metadata_image)
 
@@ -200,6 +216,7 @@ class MountManager:
                 "plain_http_hosts": sorted(plain_http_hosts),
                 "config": dataclasses.asdict(self.config),
                 "runs": [[{"index": layer.index_path, "layer_digest": layer.layer_digest,
+                           "parse_key": layer.parse_key,
                            "reader": {"kind": "registry", "image_ref": layer.image_ref,
                                       "layer_digest": layer.layer_digest, "blob_size": layer.blob_size,
                                       "format": layer.format}}
@@ -252,11 +269,10 @@ class MountManager:
         if spare is not None:
             try:
                 assert spare.stdin is not None
-                spare.stdin.write(json.dumps({"state": str(state), "log": str(logf)}).encode() + b"\n")
-                spare.stdin.close()
+                self._tell_spare(spare, {"state": str(state), "log": str(logf)}, last=True)
                 self.schedule_spare()
                 return spare
-            except OSError as exc:  # it died after _take_spare looked
+            except OSError as exc:  # it died after _take_spare looked, or does not read its stdin
                 log.warning("event=spare_lost pid=%d error=%s; starting a mount process", spare.pid, exc)
                 spare.kill()
                 spare.wait(timeout=STOP_TIMEOUT)
@@ -299,6 +315,49 @@ class MountManager:
         return self.meta.prune()
 
     # -- the spare ---------------------------------------------------------------------------------
+
+    def _tell_spare(self, spare: subprocess.Popen[bytes], doc: dict[str, object], *, last: bool = False) -> None:
+        """Write one line to the spare's stdin without ever blocking (a line is far shorter than
+        the pipe's buffer; a spare that lets the buffer fill is not reading: OSError), and with
+        `last` close it. OSError also when it was closed already."""
+        line = json.dumps(doc).encode() + b"\n"
+        assert spare.stdin is not None
+        with self._spare_io:
+            if spare.stdin.closed:
+                raise OSError(errno.EPIPE, "the spare was handed a mount already")
+            fd = spare.stdin.fileno()
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
+            try:
+                written = os.write(fd, line)  # a pipe writes a line under PIPE_BUF whole or not at all
+                if written != len(line):
+                    raise OSError(errno.EAGAIN, f"the spare took {written} of {len(line)} bytes")
+            finally:
+                if last:
+                    spare.stdin.close()
+
+    def preload(self, parse: MetadataParse, data: bytes, image_layers: tuple[str, ...] = ()) -> None:
+        """Hand the waiting spare a layer's metadata to parse while the daemon parses it too (see
+        the module docstring); image_layers: the image's layers from this one up (the spare
+        builds the image's tree once it has them all). Never blocks, never raises: without a
+        spare, or on any failure, the preload is dropped and the mount loads the persisted index."""
+        if not self.config.preload_metadata:
+            return
+        with self._spare_lock:
+            spare = self._spare
+        if spare is None or spare.poll() is not None or len(data) > PRELOAD_MAX_BYTES:
+            return
+        path = self.preload_dir / parse.key(data)
+        try:
+            self.preload_dir.mkdir(exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_bytes(data)  # not synced: it lives until the spare reads it, seconds at most
+            os.replace(tmp, path)
+            self._tell_spare(spare, {"preload": parse.to_doc(), "data": str(path), "layers": list(image_layers)})
+        except (OSError, ValueError) as exc:  # ValueError: its stdin closed under us (handed a mount)
+            path.unlink(missing_ok=True)
+            log.debug("event=preload_dropped layer=%s error=%s", parse.layer_digest, exc)
+            return
+        log.debug("event=preload layer=%s bytes=%d spare=%d", parse.layer_digest, len(data), spare.pid)
 
     def _take_spare(self) -> subprocess.Popen[bytes] | None:
         with self._spare_lock:

@@ -22,11 +22,23 @@ from snapshotter.errors import DigestMismatch, FormatError, LimitExceeded, Snaps
 from snapshotter.fetch.client import RegistryClient
 from snapshotter.formats import estargz, zstdchunked
 from snapshotter.formats.index import LayerIndex
-from snapshotter.formats.nydus import parse_bootstrap
-from snapshotter.formats.nydus_layer import bootstrap_from_layer
+from snapshotter.formats.metadata_parse import (
+    ESTARGZ,
+    NYDUS_BLOB,
+    NYDUS_BOOTSTRAP,
+    ZSTD_CHUNKED,
+    MetadataParse,
+    parse_metadata,
+    position_doc,
+)
 from snapshotter.remote.labels import LayerRef
 
 TAIL_BYTES = 64 * 1024
+
+# Told of a layer's metadata bytes and how they parse, just before the daemon parses them, with
+# the image's layers from this one up (the spare mount process parses the same bytes meanwhile and
+# builds the image's tree ahead: remote/mounts.py preload). Must not block.
+OnMetadata = Callable[[MetadataParse, bytes, tuple[str, ...]], None]
 
 
 class NotLazy(SnapshotterError):
@@ -36,13 +48,15 @@ class NotLazy(SnapshotterError):
 @dataclass(frozen=True)
 class ResolvedLayer:
     """metadata_bytes: the bytes of the blob the format needs for the tree (footer + TOC, or the
-    whole bootstrap layer); what was fetched may be more (the tail read is fixed-size)."""
+    whole bootstrap layer); what was fetched may be more (the tail read is fixed-size).
+    parse_key: `MetadataParse.key` of the parse that made `index` (None: nothing was parsed)."""
 
     ref: LayerRef
     format: str
     blob_size: int
     index: LayerIndex
     metadata_bytes: int = 0
+    parse_key: str | None = None
 
 
 T = TypeVar("T")
@@ -68,15 +82,28 @@ def _check_toc_digest(ref: LayerRef, index: LayerIndex) -> None:
                              f"annotation says {ref.toc_digest}")
 
 
-NYDUS_BLOB_FORMAT = "nydus-blob"
+NYDUS_BLOB_FORMAT = NYDUS_BLOB
+
+
+async def _parse(ref: LayerRef, p: MetadataParse, data: bytes, on_metadata: OnMetadata | None,
+                 expected_toc_digest: str | None = None) -> tuple[LayerIndex, str]:
+    """(index, parse key) of `data`, parsed off the loop; `on_metadata` is told first."""
+    if on_metadata is not None:
+        on_metadata(p, data, ref.image_layers)
+    if p.kind == NYDUS_BLOB:  # nothing to parse
+        return parse_metadata(p, data), p.key(data)
+    index = await _off_loop(parse_metadata, p, data, expected_toc_digest=expected_toc_digest)
+    return index, p.key(data)
 
 
 async def _resolve_nydus(client: RegistryClient, ref: LayerRef, size: int, *,
-                         max_bootstrap_bytes: int) -> ResolvedLayer:
+                         max_bootstrap_bytes: int, on_metadata: OnMetadata | None) -> ResolvedLayer:
     """A Nydus data blob layer has no tree of its own (the bootstrap layer describes the image);
     the bootstrap layer is small and fetched whole, then parsed."""
     if ref.nydus_blob:
-        return ResolvedLayer(ref, NYDUS_BLOB_FORMAT, size, LayerIndex(NYDUS_BLOB_FORMAT, ()), 0)
+        p = MetadataParse(NYDUS_BLOB, ref.layer_digest, size, 0)
+        index, key = await _parse(ref, p, b"", on_metadata)  # empty: told so the spare knows the whole image
+        return ResolvedLayer(ref, NYDUS_BLOB_FORMAT, size, index, 0, key)
     if size > max_bootstrap_bytes:
         raise LimitExceeded(f"nydus bootstrap layer {ref.layer_digest} is {size} bytes, over "
                             f"limits.max_bootstrap_bytes ({max_bootstrap_bytes})")
@@ -84,21 +111,19 @@ async def _resolve_nydus(client: RegistryClient, ref: LayerRef, size: int, *,
     if hashlib.sha256(layer).hexdigest() != ref.layer_digest.partition(":")[2]:
         raise DigestMismatch(f"nydus bootstrap layer {ref.layer_digest}: content does not match its digest")
 
-    def parse() -> LayerIndex:
-        boot = bootstrap_from_layer(layer, max_bootstrap_bytes=max_bootstrap_bytes)
-        return parse_bootstrap(boot, max_bootstrap_bytes=max_bootstrap_bytes)
-
-    index = await _off_loop(parse)
-    return ResolvedLayer(ref, "nydus", size, index, size)
+    p = MetadataParse(NYDUS_BOOTSTRAP, ref.layer_digest, size, max_bootstrap_bytes)
+    index, key = await _parse(ref, p, layer, on_metadata)
+    return ResolvedLayer(ref, "nydus", size, index, size, key)
 
 
 async def resolve_layer(client: RegistryClient, ref: LayerRef, *, max_toc_bytes: int,
-                        max_bootstrap_bytes: int = 1 << 30) -> ResolvedLayer:
+                        max_bootstrap_bytes: int = 1 << 30, on_metadata: OnMetadata | None = None) -> ResolvedLayer:
     """Fetch and parse the layer's TOC (or Nydus bootstrap). Raises NotLazy, FormatError /
-    DigestMismatch / LimitExceeded, or FetchError."""
+    DigestMismatch / LimitExceeded, or FetchError. on_metadata: see OnMetadata."""
     if ref.nydus_blob or ref.nydus_bootstrap:
         size = await client.blob_size(ref.image_ref, ref.layer_digest)
-        return await _resolve_nydus(client, ref, size, max_bootstrap_bytes=max_bootstrap_bytes)
+        return await _resolve_nydus(client, ref, size, max_bootstrap_bytes=max_bootstrap_bytes,
+                                    on_metadata=on_metadata)
     tail, size = await client.read_tail(ref.image_ref, ref.layer_digest, TAIL_BYTES)
     if size < estargz.LEGACY_FOOTER_SIZE:
         raise NotLazy(f"layer {ref.layer_digest} is only {size} bytes: no lazy-format footer")
@@ -113,11 +138,10 @@ async def resolve_layer(client: RegistryClient, ref: LayerRef, *, max_toc_bytes:
         if length > max_toc_bytes:
             raise FormatError(f"layer {ref.layer_digest}: TOC of {length} bytes exceeds limits.max_toc_bytes")
         member = await _range(client, ref, tail, tail_start, offset, length)
-        index = await _off_loop(estargz.parse_toc, member, blob_size=size, layer_digest=ref.layer_digest,
-                                max_toc_bytes=max_toc_bytes, expected_toc_digest=ref.toc_digest,
-                                toc_offset=footer.toc_offset)
+        p = MetadataParse(ESTARGZ, ref.layer_digest, size, max_toc_bytes, toc_offset=footer.toc_offset)
+        index, key = await _parse(ref, p, member, on_metadata, expected_toc_digest=ref.toc_digest)
         footer_len = estargz.LEGACY_FOOTER_SIZE if footer.legacy else estargz.FOOTER_SIZE
-        return ResolvedLayer(ref, "stargz" if footer.legacy else "estargz", size, index, length + footer_len)
+        return ResolvedLayer(ref, "stargz" if footer.legacy else "estargz", size, index, length + footer_len, key)
 
     try:
         position = zstdchunked.parse_footer(tail, blob_size=size)
@@ -128,9 +152,9 @@ async def resolve_layer(client: RegistryClient, ref: LayerRef, *, max_toc_bytes:
             raise FormatError(f"layer {ref.layer_digest}: zstd:chunked TOC of {position.compressed_size} bytes "
                               "exceeds limits.max_toc_bytes")
         compressed = await _range(client, ref, tail, tail_start, position.offset, position.compressed_size)
-        index = await _off_loop(zstdchunked.parse_manifest, compressed, blob_size=size,
-                                layer_digest=ref.layer_digest, max_toc_bytes=max_toc_bytes, position=position)
+        p = MetadataParse(ZSTD_CHUNKED, ref.layer_digest, size, max_toc_bytes, position=position_doc(position))
+        index, key = await _parse(ref, p, compressed, on_metadata)
         _check_toc_digest(ref, index)
-        return ResolvedLayer(ref, "zstdchunked", size, index, size - position.offset)
+        return ResolvedLayer(ref, "zstdchunked", size, index, size - position.offset, key)
 
     raise NotLazy(f"layer {ref.layer_digest} has no eStargz or zstd:chunked footer (plain gzip/zstd layer?)")

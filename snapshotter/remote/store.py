@@ -41,6 +41,10 @@ class LayerMeta:
     blob_size: int
     image_ref: str
     toc_digest: str | None
+    # MetadataParse.key of the parse that made the index (formats/metadata_parse.py): a mount
+    # process handed an index parsed ahead under this key uses it instead of loading the file.
+    # None for indexes written before it existed, or that needed no parse.
+    parse_key: str | None = None
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -26,6 +26,7 @@ import pytest
 
 from integration import cri, images
 from integration.lab import Lab, mount_processes
+from snapshotter.remote.mounts import SPARE_LOG as SPARE_LOG_NAME
 
 RICH_BIG = 6 * 1024 * 1024 + 12345  # several 4 MiB eStargz chunks, and an odd tail
 
@@ -386,6 +387,50 @@ def test_the_spare_mount_process_serves_the_next_image(lab: Lab, pushed: Pushed)
         lab.ctr("tasks", "delete", "spare-keeper", namespace=ns, check=False)
         lab.ctr("containers", "delete", "spare-keeper", namespace=ns, check=False)
         lab.ctr("images", "rm", "--sync", pushed.esgz_ref, namespace=ns, check=False)
+
+
+def test_the_spare_parses_a_new_images_layers_while_the_daemon_does(lab: Lab) -> None:
+    """Every layer of an image new to the daemon is handed to the spare as it is resolved; the
+    spare parses them and builds the image's tree before it is handed the mount, which then
+    serves from that tree (no index file loaded, no tree built on the container's path) and
+    shows the image as an overlayfs pull would."""
+    ns = "preload"
+    mounts_dir = lab.snapshotter_root / "mounts"
+    _wait_for("a spare mount process", lambda: _spare_pids(mounts_dir))
+    unique = os.urandom(8).hex()  # new layer digests: nothing resolved before, so every layer is parsed
+    img = images.build_image(lab.dir / "oci", f"preload-{unique}",
+                             [[*images.busybox_entries(), images.File(f"etc/base-{unique}", b"base\n")],
+                              [images.File("etc/top.txt", f"top {unique}\n".encode()),
+                               images.Whiteout(f"etc/base-{unique}")]],
+                             cmd=("/bin/sh",))
+    ref = lab.push_converted(lab.push(img, "preload"), f"{lab.registry_host}/preload:esgz-{unique}")
+    log_at = len(lab.daemon_log())
+    lab.ctr_remote("image", "rpull", "--plain-http", "--snapshotter", "lazy", ref, namespace=ns)
+    base = ["run", "--snapshotter", "lazy", "--runc-root", str(lab.dir / "runc"), "--fifo-dir", str(lab.dir / "fifo")]
+    lab.ctr(*base, "-d", ref, "preload-keeper", "sleep", "60", namespace=ns)  # keeps the mount (and its log)
+    try:
+        out = lab.ctr(*base, "--rm", ref, "preload-1", "sh", "-c", f"cat /etc/top.txt; ls /etc/base-{unique}",
+                      namespace=ns, check=False)
+        assert out.stdout.startswith(f"top {unique}\n") and "No such file" in out.stderr, (out.stdout, out.stderr)
+        daemon_log = lab.daemon_log()[log_at:]
+        prepared = re.findall(r"event=lazy_prepare .*?layer=(sha256:[0-9a-f]{64})", daemon_log)
+        assert len(prepared) == 2, daemon_log[-2000:]
+        started = re.search(r"event=mount_started mount=(\d+) pid=(\d+)", daemon_log)
+        assert started is not None
+        mount_log = (mounts_dir / SPARE_LOG_NAME).read_text() + "".join(
+            p.read_text() for p in mounts_dir.glob("*/log"))
+        for digest in prepared:  # each layer handed to the spare as it was resolved, and parsed there
+            assert f"event=preloaded layer={digest}" in mount_log
+        assert "event=tree_built_ahead layers=2" in mount_log
+        assert re.search(r"event=tree_built layers=2 .*prebuilt=true", mount_log), mount_log[-2000:]
+    finally:
+        lab.ctr("tasks", "kill", "-s", "SIGKILL", "preload-keeper", namespace=ns, check=False)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and "RUNNING" in lab.ctr("tasks", "ls", namespace=ns).stdout:
+            time.sleep(0.1)
+        lab.ctr("tasks", "delete", "preload-keeper", namespace=ns, check=False)
+        lab.ctr("containers", "delete", "preload-keeper", namespace=ns, check=False)
+        lab.ctr("images", "rm", "--sync", ref, namespace=ns, check=False)
 
 
 def test_mount_process_stops_with_the_last_container(lab: Lab, pushed: Pushed) -> None:

@@ -16,6 +16,7 @@ from snapshotter import metrics
 from snapshotter.config import Config
 from snapshotter.errors import AlreadyExists
 from snapshotter.formats.estargz import write_estargz
+from snapshotter.formats.metadata_parse import MetadataParse
 from snapshotter.formats.rafs_writer import write_nydus
 from snapshotter.remote import backend as backend_module
 from snapshotter.remote.backend import RemoteBackend, RemoteLayer
@@ -53,6 +54,7 @@ class FakeMounter:
         self.plain_http: dict[str, set[str]] = {}
         self.meta: dict[str, str] = {}  # mount id -> its metadata image's mountpoint, once "built"
         self.pruned = 0  # calls of prune_metadata_images
+        self.preloads: list[tuple[MetadataParse, bytes]] = []
 
     def ensure(self, mount_id: str, runs: list[list[RemoteLayer]], *, bare_runs: tuple[int, ...] = (),
                ahead: bool = False, plain_http_hosts: Collection[str] = ()) -> str:
@@ -75,6 +77,9 @@ class FakeMounter:
     def prune_metadata_images(self) -> list[str]:
         self.pruned += 1
         return []
+
+    def preload(self, parse: MetadataParse, data: bytes, image_layers: tuple[str, ...] = ()) -> None:
+        self.preloads.append((parse, data))
 
 
 @pytest.fixture

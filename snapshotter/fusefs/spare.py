@@ -1,0 +1,211 @@
+"""The spare mount process's wait for its mount, parsing the layer metadata it is handed meanwhile.
+
+The daemon writes lines to the spare's stdin (remote/mounts.py):
+    {"preload": MetadataParse doc, "data": PATH,   parse the metadata bytes in PATH (then removed);
+     "layers": [DIGEST, ...]}                      the image's layers from this one up, lowest first
+    {"state": STATE_FILE, "log": LOG_FILE}         the assignment: the last line
+End of input without an assignment: the daemon stopped; nothing to serve.
+
+A reader thread takes the lines as they come, and the main thread parses each preload in turn, so
+the parse runs while the daemon parses the same bytes for containerd's Prepare (one core each).
+Once the assignment has arrived, preloads not yet parsed are skipped: loading the persisted index
+is quicker than parsing it. Indexes parsed are kept by parse key (`MetadataParse.key`) and handed
+to the mount with the assignment; the state file names each layer's key, so a layer uses a
+preloaded index only when it is the one the daemon persisted (fusefs/state.py load_tree).
+Once every layer of the longest layer list seen has been parsed, the tree of that image as one
+run of remote layers (the usual mount: every layer lazy) is built too; a mount whose state asks
+for exactly that tree, by parse keys and options, starts from it (`Prebuilt`).
+A preload that fails (damaged file, bad metadata) is logged and dropped: the daemon's own parse
+decides what the layer is. Kept at most PRELOAD_TTL seconds and MAX_PRELOADS indexes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import BinaryIO
+
+from snapshotter.errors import ConfigError, SnapshotterError
+from snapshotter.formats.index import LayerIndex
+from snapshotter.formats.metadata_parse import MetadataParse, parse_metadata
+from snapshotter.fusefs.tree import MountTree, build_tree
+
+log = logging.getLogger(__name__)
+
+PRELOAD_TTL = 300.0  # seconds a preloaded index waits for its mount (a pull whose image never runs)
+MAX_PRELOADS = 64
+_EXPIRY_CHECK = 30.0  # seconds between expiry checks while no line comes
+
+
+@dataclass(frozen=True)
+class Prebuilt:
+    """A tree built ahead: one run of the layers whose indexes have these parse keys (lowest
+    first), built with the default options and run 0 bare (build_tree's arguments for it)."""
+
+    keys: tuple[str, ...]
+    tree: MountTree
+
+
+@dataclass
+class Assignment:
+    """The mount the spare was handed: its state file, its log file (or None), the indexes it
+    parsed while waiting, by parse key, and the tree it built from them, if any."""
+
+    state: str
+    log: str | None
+    preloaded: dict[str, LayerIndex] = field(default_factory=dict)
+    prebuilt: Prebuilt | None = None
+
+
+class _Preloads:
+    """What the spare parsed: indexes by key (with when), each layer's latest key, the longest
+    layer list seen, and the tree built for it."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.indexes: dict[str, tuple[float, LayerIndex]] = {}
+        self.key_of_layer: dict[str, str] = {}
+        self.chain: tuple[str, ...] = ()
+        self.prebuilt: Prebuilt | None = None
+
+    def expire(self) -> None:
+        now = self.clock()
+        for key in [k for k, (at, _) in self.indexes.items() if now - at > PRELOAD_TTL]:
+            del self.indexes[key]
+        if self.prebuilt is not None and not all(k in self.indexes for k in self.prebuilt.keys):
+            self.prebuilt = None
+
+    def add(self, layer: str, key: str, index: LayerIndex, layers: tuple[str, ...]) -> None:
+        while len(self.indexes) >= MAX_PRELOADS:
+            del self.indexes[min(self.indexes, key=lambda k: self.indexes[k][0])]
+        self.indexes[key] = (self.clock(), index)
+        self.key_of_layer[layer] = key
+        # The image: a longer list of the same image, or the list of a layer the current one lacks
+        # (another image's pull). Lists name their own layer first (both clients' labels do).
+        if layers and layers[0] == layer and (len(layers) > len(self.chain) or layer not in self.chain):
+            self.chain = layers
+        self._build_ahead()
+
+    def _build_ahead(self) -> None:
+        keys = tuple(self.key_of_layer.get(d, "") for d in self.chain)
+        if not keys or not all(k in self.indexes for k in keys) or \
+                (self.prebuilt is not None and self.prebuilt.keys == keys):
+            return
+        began = self.clock()
+        tree = build_tree([[self.indexes[k][1] for k in keys]], bare_runs=(0,))
+        self.prebuilt = Prebuilt(keys, tree)
+        log.info("event=tree_built_ahead layers=%d inodes=%d seconds=%.3f", len(keys), len(tree),
+                 self.clock() - began)
+
+    def assignment(self, found: Assignment) -> Assignment:
+        found.preloaded = {k: index for k, (_, index) in self.indexes.items()}
+        found.prebuilt = self.prebuilt
+        return found
+
+
+_EOF = object()
+
+
+def _is_preload(line: bytes) -> bool:
+    try:
+        doc = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(doc, dict) and "preload" in doc
+
+
+def _read_lines(stdin: BinaryIO, lines: queue.Queue[object], assigned: threading.Event) -> None:
+    """Queue each line as (is_preload, line) until the assignment (or garbage, which ends the
+    wait too), then stop reading; _EOF at the end of input, the exception if reading fails."""
+    try:
+        for line in iter(stdin.readline, b""):
+            if not line.strip():
+                break
+            preload = _is_preload(line)
+            lines.put((preload, line))
+            if not preload:
+                assigned.set()
+                return
+    except Exception as exc:  # reported by the main thread
+        lines.put(exc)
+        return
+    lines.put(_EOF)
+
+
+def _assignment(line: bytes) -> Assignment:
+    try:
+        doc = json.loads(line)
+        return Assignment(str(doc["state"]), str(doc["log"]) if doc.get("log") else None)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"spare mount process: bad assignment {line[:200]!r}: {exc}") from None
+
+
+def _take_data(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def wait_for_assignment(stdin: BinaryIO, *, parse: Callable[[MetadataParse, bytes], LayerIndex] = parse_metadata,
+                        clock: Callable[[], float] = time.monotonic) -> Assignment | None:
+    """Read `stdin` until the assignment (returned, with the preloaded indexes) or its end (None).
+    A bad assignment line is a ConfigError; a bad preload is logged and dropped."""
+    lines: queue.Queue[object] = queue.Queue()
+    assigned = threading.Event()
+    threading.Thread(target=_read_lines, args=(stdin, lines, assigned), name="spare-stdin", daemon=True).start()
+    preloads = _Preloads(clock)
+    while True:
+        try:
+            item = lines.get(timeout=_EXPIRY_CHECK)
+        except queue.Empty:
+            item = None
+        preloads.expire()
+        if item is None:
+            continue
+        if item is _EOF:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        assert isinstance(item, tuple)
+        is_preload, line = item
+        if not is_preload:
+            return preloads.assignment(_assignment(line))
+        _preload(line, preloads, skip=assigned.is_set(), parse=parse)
+
+
+def _preload(line: bytes, preloads: _Preloads, *, skip: bool,
+             parse: Callable[[MetadataParse, bytes], LayerIndex]) -> None:
+    try:
+        doc = json.loads(line)
+        path = str(doc["data"])
+        p = MetadataParse.from_doc(doc["preload"])
+        layers = tuple(str(d) for d in doc.get("layers", ()))
+    except (ValueError, KeyError, TypeError, SnapshotterError) as exc:
+        log.warning("event=preload_bad line=%r error=%s", line[:200], exc)
+        return
+    began = preloads.clock()
+    try:
+        data = _take_data(path)
+        if skip:  # the mount is waiting: its persisted indexes load faster than this parses
+            log.info("event=preload_skipped layer=%s reason=assigned", p.layer_digest)
+            return
+        key = p.key(data)
+        index = parse(p, data)
+    except (OSError, SnapshotterError) as exc:
+        log.info("event=preload_failed layer=%s error=%r", p.layer_digest, str(exc))
+        return
+    del data
+    log.info("event=preloaded layer=%s entries=%d seconds=%.3f", p.layer_digest, len(index.entries),
+             preloads.clock() - began)
+    preloads.add(p.layer_digest, key, index, layers)

@@ -1,0 +1,197 @@
+"""fusefs/spare.py and load_tree's use of it: the spare parses the preloads it is handed while it
+waits, builds the image's tree once it has every layer, and a mount uses them only when its state
+names exactly those parses."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from snapshotter.errors import ConfigError, FormatError
+from snapshotter.formats import estargz
+from snapshotter.formats.estargz import write_estargz
+from snapshotter.formats.index import LayerIndex
+from snapshotter.formats.index_codec import dump_index
+from snapshotter.formats.metadata_parse import ESTARGZ, MetadataParse, parse_metadata
+from snapshotter.fusefs import spare as spare_module
+from snapshotter.fusefs.spare import wait_for_assignment
+from snapshotter.fusefs.state import load_tree, parse_state
+from snapshotter.fusefs.tree import build_tree
+
+L0, L1 = "sha256:" + "0" * 64, "sha256:" + "1" * 64
+
+
+def _member(files: dict[str, bytes]) -> tuple[MetadataParse, bytes, str]:
+    """An eStargz layer's TOC member for `files`, how it parses, and its layer digest."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    out = io.BytesIO()
+    write_estargz(io.BytesIO(buf.getvalue()), out)
+    blob = out.getvalue()
+    footer = estargz.parse_footer(blob[-estargz.FOOTER_SIZE:])
+    offset, length = estargz.toc_range(footer, len(blob))
+    digest = L0 if "base" in files else L1
+    return MetadataParse(ESTARGZ, digest, len(blob), 1 << 20, toc_offset=footer.toc_offset), \
+        blob[offset:offset + length], digest
+
+
+BASE = {"base": b"b" * 100, "etc/os": b"debian\n"}
+TOP = {"etc/os": b"changed\n", "app/run": b"#!/bin/sh\n"}
+
+
+class _Feed:
+    """stdin for the spare: `lines` in order; the last (the assignment) only once `parses()`
+    reached `before_last` (at most 10 s), as the daemon hands a mount over after its layers."""
+
+    def __init__(self, lines: list[bytes], parses: list[str], before_last: int) -> None:
+        self.lines, self.parses, self.before_last = list(lines), parses, before_last
+
+    def readline(self) -> bytes:
+        if len(self.lines) == 1:
+            deadline = time.monotonic() + 10
+            while len(self.parses) < self.before_last and time.monotonic() < deadline:
+                time.sleep(0.005)
+        return self.lines.pop(0) if self.lines else b""
+
+
+def _counting(parsed: list[str]):  # type: ignore[no-untyped-def]
+    def parse(p: MetadataParse, data: bytes) -> LayerIndex:
+        parsed.append(p.layer_digest)
+        return parse_metadata(p, data)
+    return parse
+
+
+def _preload_line(tmp: Path, p: MetadataParse, data: bytes, layers: tuple[str, ...]) -> bytes:
+    path = tmp / f"pre-{p.layer_digest[-4:]}-{len(list(tmp.iterdir()))}"
+    path.write_bytes(data)
+    return json.dumps({"preload": p.to_doc(), "data": str(path), "layers": list(layers)}).encode() + b"\n"
+
+
+def _state(tmp: Path, specs: list[tuple[str, str, str | None]], **extra: object) -> bytes:
+    """A state file with one run of (digest, index path, parse key)."""
+    doc = {"mountpoint": str(tmp), "runs": [[{"layer_digest": d, "index": i, "parse_key": k,
+                                              "reader": {"kind": "file"}} for d, i, k in specs]], **extra}
+    return json.dumps(doc).encode()
+
+
+def test_preloads_are_parsed_and_the_image_tree_built_ahead(tmp_path: Path) -> None:
+    (tmp_path / "in").mkdir()
+    p0, d0, _ = _member(BASE)
+    p1, d1, _ = _member(TOP)
+    lines = [_preload_line(tmp_path / "in", p0, d0, (L0, L1)), _preload_line(tmp_path / "in", p1, d1, (L1,)),
+             json.dumps({"state": "/x/state.json", "log": None}).encode() + b"\n"]
+    parsed: list[str] = []
+    found = wait_for_assignment(_Feed(lines, parsed, 2), parse=_counting(parsed))  # type: ignore[arg-type]
+    assert found is not None and found.state == "/x/state.json" and found.log is None
+    i0, i1 = parse_metadata(p0, d0), parse_metadata(p1, d1)
+    assert found.preloaded == {p0.key(d0): i0, p1.key(d1): i1}
+    assert list((tmp_path / "in").iterdir()) == [], "the spare removes the data files it read"
+    assert found.prebuilt is not None and found.prebuilt.keys == (p0.key(d0), p1.key(d1))
+    expected = build_tree([[i0, i1]], bare_runs=(0,))
+    assert sorted(path for path, _ in found.prebuilt.tree.walk()) == sorted(path for path, _ in expected.walk())
+
+    # The mount uses the prebuilt tree only for exactly its state; the index files need not exist.
+    missing = str(tmp_path / "no-such-index.bin")
+    prebuilt = (found.prebuilt.keys, found.prebuilt.tree)
+    state = parse_state(_state(tmp_path, [(L0, missing, p0.key(d0)), (L1, missing, p1.key(d1))], bare_runs=[0]))
+    assert load_tree(state, found.preloaded, prebuilt) is found.prebuilt.tree
+    # Not bare: a tree of its own, built from the preloaded indexes (still no file read).
+    other = load_tree(parse_state(_state(tmp_path, [(L0, missing, p0.key(d0)), (L1, missing, p1.key(d1))])),
+                      found.preloaded, prebuilt)
+    assert other is not found.prebuilt.tree and other.resolve("0/app/run") is not None
+    # A key the spare did not parse: that layer's file is loaded.
+    (tmp_path / "top.bin").write_bytes(dump_index(i1))
+    mixed = load_tree(parse_state(_state(tmp_path, [(L0, missing, p0.key(d0)), (L1, str(tmp_path / "top.bin"),
+                                                                                "f" * 64)], bare_runs=[0])),
+                      found.preloaded, prebuilt)
+    assert mixed is not found.prebuilt.tree and mixed.resolve("0/app/run") is not None
+    with pytest.raises(OSError):  # and without a preload the missing file is an error, as before
+        load_tree(parse_state(_state(tmp_path, [(L0, missing, None)])), found.preloaded, prebuilt)
+
+
+def test_end_of_input_bad_lines_and_failed_parses(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="snapshotter.fusefs.spare")
+    assert wait_for_assignment(io.BytesIO(b"")) is None
+    with pytest.raises(ConfigError, match="bad assignment"):
+        wait_for_assignment(io.BytesIO(b'{"log": "/x"}\n'))
+    p0, d0, _ = _member(BASE)
+    good = _preload_line(tmp_path, p0, d0, (L0,))
+    bad_doc = b'{"preload": {"kind": "tarball"}, "data": "/nowhere"}\n'
+    gone = json.dumps({"preload": p0.to_doc(), "data": str(tmp_path / "gone")}).encode() + b"\n"
+    damaged = _preload_line(tmp_path, p0, b"\x1f\x8bnot a toc", (L0,))
+    parsed: list[str] = []
+    feed = _Feed([bad_doc, gone, damaged, good, b'{"state": "/s"}\n'], parsed, 2)
+    found = wait_for_assignment(feed, parse=_counting(parsed))  # type: ignore[arg-type]
+    assert found is not None and list(found.preloaded) == [p0.key(d0)]
+    assert "event=preload_bad" in caplog.text and caplog.text.count("event=preload_failed") == 2
+
+
+def test_preloads_queued_behind_the_assignment_are_skipped(tmp_path: Path) -> None:
+    p0, d0, _ = _member(BASE)
+    p1, d1, _ = _member(TOP)
+    r, w = os.pipe()
+    parsed: list[str] = []
+
+    def parse(p: MetadataParse, data: bytes) -> LayerIndex:
+        parsed.append(p.layer_digest)
+        if len(parsed) == 1:  # the daemon hands the mount over while the first parse runs
+            os.write(w, _preload_line(tmp_path, p1, d1, (L1,)) + b'{"state": "/s"}\n')
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and any(t.name == "spare-stdin" for t in threading.enumerate()):
+                time.sleep(0.01)
+        return parse_metadata(p, data)
+
+    os.write(w, _preload_line(tmp_path, p0, d0, (L0, L1)))
+    with open(r, "rb") as stdin:
+        found = wait_for_assignment(stdin, parse=parse)
+    os.close(w)
+    assert parsed == [L0], "the second preload is not parsed once the mount waits"
+    assert found is not None and list(found.preloaded) == [p0.key(d0)] and found.prebuilt is None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_preloads_expire(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [0.0]
+    p0, d0, _ = _member(BASE)
+    p1, d1, _ = _member(TOP)
+    first = _preload_line(tmp_path, p0, d0, (L0,))
+    second = _preload_line(tmp_path, p1, d1, (L1,))
+    times = iter([0.0, 0.0, 0.0, 0.0, 0.0, spare_module.PRELOAD_TTL + 1])
+
+    def clock() -> float:
+        now[0] = next(times, now[0])
+        return now[0]
+
+    parsed: list[str] = []
+    found = wait_for_assignment(_Feed([first, second, b'{"state": "/s"}\n'], parsed, 2),  # type: ignore[arg-type]
+                                parse=_counting(parsed), clock=clock)
+    assert found is not None and list(found.preloaded) == [p1.key(d1)]
+
+
+def test_a_damaged_prebuilt_key_list_is_never_used(tmp_path: Path) -> None:
+    """A tree is used only for a state naming every layer's key, in order."""
+    p0, d0, _ = _member(BASE)
+    p1, d1, _ = _member(TOP)
+    i0, i1 = parse_metadata(p0, d0), parse_metadata(p1, d1)
+    tree = build_tree([[i0, i1]], bare_runs=(0,))
+    keys = (p0.key(d0), p1.key(d1))
+    (tmp_path / "a.bin").write_bytes(dump_index(i0))
+    (tmp_path / "b.bin").write_bytes(dump_index(i1))
+    swapped = parse_state(_state(tmp_path, [(L1, str(tmp_path / "b.bin"), keys[1]),
+                                            (L0, str(tmp_path / "a.bin"), keys[0])], bare_runs=[0]))
+    assert load_tree(swapped, {}, (keys, tree)) is not tree
+    with pytest.raises(FormatError):
+        (tmp_path / "a.bin").write_bytes(b"damaged")
+        load_tree(parse_state(_state(tmp_path, [(L0, str(tmp_path / "a.bin"), None)])), {}, (keys, tree))
