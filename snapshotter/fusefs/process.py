@@ -401,6 +401,9 @@ def main(argv: Sequence[str] | None = None, *, reader_kinds: Mapping[str, Reader
         from snapshotter.fetch.client import warm_up
 
         warm_up()  # what the first request of any mount would otherwise pay
+        # Start-up done: from here the spare only waits (and parses preloads). A benchmark or a
+        # test that wants an idle daemon waits for this line in ROOT/mounts/spare.log.
+        log.info("event=spare_waiting pid=%d", os.getpid())
         try:
             found = await_assignment(sys.stdin.buffer)
         except (OSError, ConfigError) as exc:

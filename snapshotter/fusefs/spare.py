@@ -21,6 +21,7 @@ decides what the layer is. Kept at most PRELOAD_TTL seconds and MAX_PRELOADS ind
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ from snapshotter.errors import ConfigError, SnapshotterError
 from snapshotter.formats.index import LayerIndex
 from snapshotter.formats.metadata_parse import MetadataParse, parse_metadata
 from snapshotter.fusefs.tree import MountTree, build_tree
+from snapshotter.gcpause import gc_paused
 
 log = logging.getLogger(__name__)
 
@@ -201,11 +203,15 @@ def _preload(line: bytes, preloads: _Preloads, *, skip: bool,
             log.info("event=preload_skipped layer=%s reason=assigned", p.layer_digest)
             return
         key = p.key(data)
-        index = parse(p, data)
+        with gc_paused():
+            index = parse(p, data)
     except (OSError, SnapshotterError) as exc:
         log.info("event=preload_failed layer=%s error=%r", p.layer_digest, str(exc))
         return
     del data
     log.info("event=preloaded layer=%s entries=%d seconds=%.3f", p.layer_digest, len(index.entries),
              preloads.clock() - began)
-    preloads.add(p.layer_digest, key, index, layers)
+    with gc_paused():  # the tree is object building without cycles, as in the mount (process.py)
+        preloads.add(p.layer_digest, key, index, layers)
+    # What was parsed lives until the mount (or PRELOAD_TTL): later collections need not scan it.
+    gc.freeze()

@@ -4,6 +4,7 @@ names exactly those parses."""
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import logging
@@ -11,6 +12,7 @@ import os
 import tarfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -195,3 +197,10 @@ def test_a_damaged_prebuilt_key_list_is_never_used(tmp_path: Path) -> None:
     with pytest.raises(FormatError):
         (tmp_path / "a.bin").write_bytes(b"damaged")
         load_tree(parse_state(_state(tmp_path, [(L0, str(tmp_path / "a.bin"), None)])), {}, (keys, tree))
+
+
+@pytest.fixture(autouse=True)
+def _unfreeze() -> Iterator[None]:
+    """The spare freezes what it parsed (gc.freeze, for its own lifetime); not this test process's."""
+    yield
+    gc.unfreeze()

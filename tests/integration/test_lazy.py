@@ -396,7 +396,11 @@ def test_the_spare_parses_a_new_images_layers_while_the_daemon_does(lab: Lab) ->
     shows the image as an overlayfs pull would."""
     ns = "preload"
     mounts_dir = lab.snapshotter_root / "mounts"
-    _wait_for("a spare mount process", lambda: _spare_pids(mounts_dir))
+    spare = _wait_for("a spare mount process", lambda: _spare_pids(mounts_dir))
+    assert isinstance(spare, list)
+    # Done with its start-up: preloads that queue up before then are skipped once its mount waits.
+    _wait_for("the spare to wait", lambda: f"event=spare_waiting pid={spare[0]}" in
+              (mounts_dir / SPARE_LOG_NAME).read_text(errors="replace"))
     unique = os.urandom(8).hex()  # new layer digests: nothing resolved before, so every layer is parsed
     img = images.build_image(lab.dir / "oci", f"preload-{unique}",
                              [[*images.busybox_entries(), images.File(f"etc/base-{unique}", b"base\n")],
