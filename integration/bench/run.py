@@ -8,7 +8,8 @@ and network condition.
 What one run of a cell does (cell = image x workload x network x variant), always cold:
   all images, containers, snapshots and content removed from containerd (`images rm --sync`,
   checked empty), our daemon restarted on a wiped root (no chunk cache, no layer indexes, no
-  mount processes), page cache dropped; then
+  mount processes) and left to become idle (its spare mount process waiting), page cache dropped;
+  then
   pull:  `ctr images pull --snapshotter overlayfs` (variant `overlayfs`: the gzip image, containerd's
          default full pull + unpack) or `ctr-remote image rpull --snapshotter lazy` (lazy variants);
   run:   `ctr run --rm` of the workload (create + start + wait + delete);

@@ -2,7 +2,8 @@
 
 The daemon writes lines to the spare's stdin (remote/mounts.py):
     {"preload": MetadataParse doc, "data": PATH,   parse the metadata bytes in PATH (then removed);
-     "layers": [DIGEST, ...]}                      the image's layers from this one up, lowest first
+     "layers": [DIGEST, ...]}                      for an image's lowest layer: the image's layers,
+                                                   lowest first (else empty)
     {"state": STATE_FILE, "log": LOG_FILE}         the assignment: the last line
 End of input without an assignment: the daemon stopped; nothing to serve.
 
@@ -12,8 +13,8 @@ Once the assignment has arrived, preloads not yet parsed are skipped: loading th
 is quicker than parsing it. Indexes parsed are kept by parse key (`MetadataParse.key`) and handed
 to the mount with the assignment; the state file names each layer's key, so a layer uses a
 preloaded index only when it is the one the daemon persisted (fusefs/state.py load_tree).
-Once every layer of the longest layer list seen has been parsed, the tree of that image as one
-run of remote layers (the usual mount: every layer lazy) is built too; a mount whose state asks
+Once every layer of the image being pulled (the list its lowest layer came with) has been parsed,
+its tree as one run of remote layers (the usual mount: every layer lazy) is built too; a mount whose state asks
 for exactly that tree, by parse keys and options, starts from it (`Prebuilt`).
 A preload that fails (damaged file, bad metadata) is logged and dropped: the daemon's own parse
 decides what the layer is. Kept at most PRELOAD_TTL seconds and MAX_PRELOADS indexes.
@@ -66,8 +67,8 @@ class Assignment:
 
 
 class _Preloads:
-    """What the spare parsed: indexes by key (with when), each layer's latest key, the longest
-    layer list seen, and the tree built for it."""
+    """What the spare parsed: indexes by key (with when), each layer's latest key, the layer
+    list of the image being pulled, and the tree built for it."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
@@ -88,9 +89,9 @@ class _Preloads:
             del self.indexes[min(self.indexes, key=lambda k: self.indexes[k][0])]
         self.indexes[key] = (self.clock(), index)
         self.key_of_layer[layer] = key
-        # The image: a longer list of the same image, or the list of a layer the current one lacks
-        # (another image's pull). Lists name their own layer first (both clients' labels do).
-        if layers and layers[0] == layer and (len(layers) > len(self.chain) or layer not in self.chain):
+        # Only an image's lowest layer comes with a list, the whole image's, its own layer first:
+        # the image being pulled now (a later pull's list replaces an earlier one).
+        if layers and layers[0] == layer:
             self.chain = layers
         self._build_ahead()
 

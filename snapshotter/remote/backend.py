@@ -47,7 +47,7 @@ from snapshotter.remote.labels import (
     claimed_layer,
     layer_ref_from_labels,
 )
-from snapshotter.remote.resolve_ahead import ResolveAhead
+from snapshotter.remote.resolve_ahead import ResolveAhead, may_be_cut
 from snapshotter.remote.resolve_loop import ResolveLoop
 from snapshotter.remote.resolver import NYDUS_BLOB_FORMAT, NotLazy, ResolvedLayer, resolve_layer
 from snapshotter.remote.settings import fetch_config_from
@@ -149,11 +149,13 @@ class RemoteBackend:
 
     # -- remote prepare -----------------------------------------------------------------------
 
-    def _resolve(self, ref: LayerRef) -> tuple[str, int, int]:
+    def _resolve(self, ref: LayerRef, parent: str) -> tuple[str, int, int]:
         """Resolve (or reuse) the layer's index; return (format, bytes fetched, metadata bytes
         the format needed). Raises on failure. A resolve of it ahead, if running, ends first."""
         self.ahead.wait(ref.layer_digest, self.config.resolve_timeout)
-        return self._resolve_now(ref)
+        # An image's lowest layer (no parent) lists the whole image, unless the label was cut:
+        # the spare builds the image's tree ahead from that list (remote/mounts.py preload).
+        return self._resolve_now(ref, whole_image=not parent and not may_be_cut(ref.image_layers))
 
     def _resolve_ahead(self, ref: LayerRef) -> tuple[str, int, int]:
         self.claims.resolved_ahead(ref.layer_digest)
@@ -161,11 +163,17 @@ class RemoteBackend:
         return self._resolve_now(ref, max_bootstrap_bytes=min(AHEAD_MAX_BOOTSTRAP_BYTES,
                                                               self.config.limits.max_bootstrap_bytes))
 
-    def _resolve_now(self, ref: LayerRef, *, max_bootstrap_bytes: int | None = None) -> tuple[str, int, int]:
+    def _resolve_now(self, ref: LayerRef, *, max_bootstrap_bytes: int | None = None,
+                     whole_image: bool = False) -> tuple[str, int, int]:
+        """whole_image: ref.image_layers is the image's whole layer list, handed to the spare
+        with this layer's metadata; otherwise the spare gets the metadata alone."""
         meta = self.layers.meta(ref.layer_digest)
         if meta is not None and _meta_fits(meta, ref):
             return meta.format, 0, 0
         bootstrap_cap = self.config.limits.max_bootstrap_bytes if max_bootstrap_bytes is None else max_bootstrap_bytes
+
+        def preload(parse: MetadataParse, data: bytes, image_layers: tuple[str, ...]) -> None:
+            self.mounter.preload(parse, data, image_layers if whole_image else ())
 
         async def job(client: RegistryClient) -> tuple[ResolvedLayer, int]:
             with counting_bytes() as fetched:
@@ -173,7 +181,7 @@ class RemoteBackend:
                     with trio.fail_after(self.config.resolve_timeout):
                         resolved = await resolve_layer(client, ref, max_toc_bytes=self.config.limits.max_toc_bytes,
                                                        max_bootstrap_bytes=bootstrap_cap,
-                                                       on_metadata=self.mounter.preload)
+                                                       on_metadata=preload)
                 finally:
                     metrics.RESOLVE_BYTES.labels(_registry_of(ref.image_ref)).inc(fetched[0])
             return resolved, fetched[0]
@@ -209,7 +217,7 @@ class RemoteBackend:
         try:
             if self.config.resolve_ahead:
                 self.ahead.start(ref)
-            fmt, fetched, needed = self._resolve(ref)
+            fmt, fetched, needed = self._resolve(ref, parent)
         except Exception as exc:  # every failure of a lazy layer is a fallback, never a failed pull
             self._fall_back(labels, exc, time.monotonic() - start)
             return False

@@ -337,8 +337,8 @@ class MountManager:
 
     def preload(self, parse: MetadataParse, data: bytes, image_layers: tuple[str, ...] = ()) -> None:
         """Hand the waiting spare a layer's metadata to parse while the daemon parses it too (see
-        the module docstring); image_layers: the image's layers from this one up (the spare
-        builds the image's tree once it has them all). Never blocks, never raises: without a
+        the module docstring); image_layers: for an image's lowest layer, the image's layers
+        (the spare builds the image's tree once it has them all), else empty. Never blocks, never raises: without a
         spare, or on any failure, the preload is dropped and the mount loads the persisted index."""
         if not self.config.preload_metadata:
             return

@@ -36,8 +36,9 @@ from snapshotter.remote.labels import LayerRef
 TAIL_BYTES = 64 * 1024
 
 # Told of a layer's metadata bytes and how they parse, just before the daemon parses them, with
-# the image's layers from this one up (the spare mount process parses the same bytes meanwhile and
-# builds the image's tree ahead: remote/mounts.py preload). Must not block.
+# the image's layers from this one up (the spare mount process parses the same bytes meanwhile
+# and, from the lowest layer's list, builds the image's tree ahead: remote/mounts.py preload).
+# Must not block.
 OnMetadata = Callable[[MetadataParse, bytes, tuple[str, ...]], None]
 
 

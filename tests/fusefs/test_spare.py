@@ -92,7 +92,7 @@ def test_preloads_are_parsed_and_the_image_tree_built_ahead(tmp_path: Path) -> N
     (tmp_path / "in").mkdir()
     p0, d0, _ = _member(BASE)
     p1, d1, _ = _member(TOP)
-    lines = [_preload_line(tmp_path / "in", p0, d0, (L0, L1)), _preload_line(tmp_path / "in", p1, d1, (L1,)),
+    lines = [_preload_line(tmp_path / "in", p0, d0, (L0, L1)), _preload_line(tmp_path / "in", p1, d1, ()),
              json.dumps({"state": "/x/state.json", "log": None}).encode() + b"\n"]
     parsed: list[str] = []
     found = wait_for_assignment(_Feed(lines, parsed, 2), parse=_counting(parsed))  # type: ignore[arg-type]
@@ -149,7 +149,7 @@ def test_preloads_queued_behind_the_assignment_are_skipped(tmp_path: Path) -> No
     def parse(p: MetadataParse, data: bytes) -> LayerIndex:
         parsed.append(p.layer_digest)
         if len(parsed) == 1:  # the daemon hands the mount over while the first parse runs
-            os.write(w, _preload_line(tmp_path, p1, d1, (L1,)) + b'{"state": "/s"}\n')
+            os.write(w, _preload_line(tmp_path, p1, d1, ()) + b'{"state": "/s"}\n')
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline and any(t.name == "spare-stdin" for t in threading.enumerate()):
                 time.sleep(0.01)
@@ -169,7 +169,7 @@ def test_preloads_expire(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     p0, d0, _ = _member(BASE)
     p1, d1, _ = _member(TOP)
     first = _preload_line(tmp_path, p0, d0, (L0,))
-    second = _preload_line(tmp_path, p1, d1, (L1,))
+    second = _preload_line(tmp_path, p1, d1, ())
     times = iter([0.0, 0.0, 0.0, 0.0, 0.0, spare_module.PRELOAD_TTL + 1])
 
     def clock() -> float:
@@ -204,3 +204,24 @@ def _unfreeze() -> Iterator[None]:
     """The spare freezes what it parsed (gc.freeze, for its own lifetime); not this test process's."""
     yield
     gc.unfreeze()
+
+
+def test_the_tree_waits_for_every_layer_the_lowest_layer_lists(tmp_path: Path) -> None:
+    """Upper layers (resolved ahead) may arrive first and carry no list; the lowest layer's list
+    names the image, and the tree is built once all of it is parsed. A later image's list
+    replaces the earlier one."""
+    p0, d0, _ = _member(BASE)
+    p1, d1, _ = _member(TOP)
+    parsed: list[str] = []
+    lines = [_preload_line(tmp_path, p1, d1, ()), _preload_line(tmp_path, p0, d0, (L0, L1)), b'{"state": "/s"}\n']
+    found = wait_for_assignment(_Feed(lines, parsed, 2), parse=_counting(parsed))  # type: ignore[arg-type]
+    assert found is not None and found.prebuilt is not None
+    assert found.prebuilt.keys == (p0.key(d0), p1.key(d1))
+    # The lowest layer's list names a layer that never came: no tree, the indexes still.
+    parsed.clear()
+    other = "sha256:" + "2" * 64
+    lines = [_preload_line(tmp_path, p1, d1, ()), _preload_line(tmp_path, p0, d0, (L0, other, L1)),
+             b'{"state": "/s"}\n']
+    found = wait_for_assignment(_Feed(lines, parsed, 2), parse=_counting(parsed))  # type: ignore[arg-type]
+    assert found is not None and found.prebuilt is None
+    assert sorted(found.preloaded) == sorted([p0.key(d0), p1.key(d1)])

@@ -16,7 +16,7 @@ from snapshotter import metrics
 from snapshotter.config import Config
 from snapshotter.errors import AlreadyExists
 from snapshotter.formats.estargz import write_estargz
-from snapshotter.formats.metadata_parse import MetadataParse
+from snapshotter.formats.metadata_parse import MetadataParse, parse_metadata
 from snapshotter.formats.rafs_writer import write_nydus
 from snapshotter.remote import backend as backend_module
 from snapshotter.remote.backend import RemoteBackend, RemoteLayer
@@ -54,7 +54,7 @@ class FakeMounter:
         self.plain_http: dict[str, set[str]] = {}
         self.meta: dict[str, str] = {}  # mount id -> its metadata image's mountpoint, once "built"
         self.pruned = 0  # calls of prune_metadata_images
-        self.preloads: list[tuple[MetadataParse, bytes]] = []
+        self.preloads: list[tuple[MetadataParse, bytes, tuple[str, ...]]] = []  # (parse, data, image layers)
 
     def ensure(self, mount_id: str, runs: list[list[RemoteLayer]], *, bare_runs: tuple[int, ...] = (),
                ahead: bool = False, plain_http_hosts: Collection[str] = ()) -> str:
@@ -79,7 +79,7 @@ class FakeMounter:
         return []
 
     def preload(self, parse: MetadataParse, data: bytes, image_layers: tuple[str, ...] = ()) -> None:
-        self.preloads.append((parse, data))
+        self.preloads.append((parse, data, image_layers))
 
 
 @pytest.fixture
@@ -165,7 +165,7 @@ def test_layers_above_the_one_prepared_are_resolved_ahead(registry: RegistryProc
                                                           caplog: pytest.LogCaptureFixture) -> None:
     """The first layer's Prepare lists the layers above it: they are resolved meanwhile, and their
     own Prepares need no registry request; a TOC digest label is still checked against them."""
-    be, _ = backend
+    be, mounter = backend
     caplog.set_level(logging.INFO)
     blobs = [_estargz({f"f{i}": bytes([65 + i]) * 1000}) for i in range(3)]
     image = push_image(registry.url, "lazy/three", "v1", [b for b, _ in blobs])
@@ -187,6 +187,13 @@ def test_layers_above_the_one_prepared_are_resolved_ahead(registry: RegistryProc
         "containerd.io/snapshot/cri.image-layers": l3, "containerd.io/snapshot/stargz/toc.digest": wrong}))
     (line,) = _fallback_lines(caplog)
     assert l3 in line and "reason=toc_digest_mismatch" in line, line
+    # Each parse was handed to the spare; only the lowest layer's came with the image's layers.
+    handed = [(p.layer_digest, layers) for p, _data, layers in mounter.preloads]
+    assert sorted(handed) == sorted([(l1, (l1, l2, l3)), (l2, ()), (l3, ()), (l3, ())]), handed
+    for p, data, _layers in mounter.preloads:
+        assert parse_metadata(p, data).format == "estargz"
+    assert be.layers.meta(l1) is not None and be.layers.meta(l1).parse_key == \
+        next(p.key(d) for p, d, _ in mounter.preloads if p.layer_digest == l1)
 
 
 def _pull_first_of_two(be: RemoteBackend, registry: RegistryProcess, repo: str, tag: str) -> tuple[str, str, str]:
