@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from snapshotter.errors import ConfigError, SnapshotterError
 from snapshotter.formats.index import LayerIndex
@@ -115,24 +115,28 @@ class _Preloads:
 _EOF = object()
 
 
-def _is_preload(line: bytes) -> bool:
+def _decode(line: bytes) -> object:
+    """The line's JSON value, or None when it is not JSON."""
     try:
-        doc = json.loads(line)
+        return json.loads(line)
     except ValueError:
-        return False
+        return None
+
+
+def _is_preload(doc: object) -> bool:
     return isinstance(doc, dict) and "preload" in doc
 
 
 def _read_lines(stdin: BinaryIO, lines: queue.Queue[object], assigned: threading.Event) -> None:
-    """Queue each line as (is_preload, line) until the assignment (or garbage, which ends the
+    """Queue each line as (its JSON value, line) until the assignment (or garbage, which ends the
     wait too), then stop reading; _EOF at the end of input, the exception if reading fails."""
     try:
         for line in iter(stdin.readline, b""):
             if not line.strip():
                 break
-            preload = _is_preload(line)
-            lines.put((preload, line))
-            if not preload:
+            doc = _decode(line)
+            lines.put((doc, line))
+            if not _is_preload(doc):
                 assigned.set()
                 return
     except Exception as exc:  # reported by the main thread
@@ -141,11 +145,11 @@ def _read_lines(stdin: BinaryIO, lines: queue.Queue[object], assigned: threading
     lines.put(_EOF)
 
 
-def _assignment(line: bytes) -> Assignment:
+def _assignment(doc: object, line: bytes) -> Assignment:
     try:
-        doc = json.loads(line)
+        assert isinstance(doc, dict), "not a JSON object"
         return Assignment(str(doc["state"]), str(doc["log"]) if doc.get("log") else None)
-    except (ValueError, KeyError, TypeError) as exc:
+    except (AssertionError, KeyError, TypeError) as exc:
         raise ConfigError(f"spare mount process: bad assignment {line[:200]!r}: {exc}") from None
 
 
@@ -181,16 +185,16 @@ def wait_for_assignment(stdin: BinaryIO, *, parse: Callable[[MetadataParse, byte
         if isinstance(item, BaseException):
             raise item
         assert isinstance(item, tuple)
-        is_preload, line = item
-        if not is_preload:
-            return preloads.assignment(_assignment(line))
-        _preload(line, preloads, skip=assigned.is_set(), parse=parse)
+        doc, line = item
+        if not _is_preload(doc):
+            return preloads.assignment(_assignment(doc, line))
+        assert isinstance(doc, dict)
+        _preload(doc, line, preloads, skip=assigned.is_set(), parse=parse)
 
 
-def _preload(line: bytes, preloads: _Preloads, *, skip: bool,
+def _preload(doc: dict[str, Any], line: bytes, preloads: _Preloads, *, skip: bool,
              parse: Callable[[MetadataParse, bytes], LayerIndex]) -> None:
     try:
-        doc = json.loads(line)
         path = str(doc["data"])
         p = MetadataParse.from_doc(doc["preload"])
         layers = tuple(str(d) for d in doc.get("layers", ()))

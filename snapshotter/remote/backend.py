@@ -84,7 +84,7 @@ class Mounter(Protocol):
     def mounted_ids(self) -> set[str]: ...
     def metadata_dir(self, mount_id: str) -> str | None: ...
     def prune_metadata_images(self) -> list[str]: ...
-    def preload(self, parse: MetadataParse, data: bytes, image_layers: tuple[str, ...] = ()) -> None: ...
+    def preload(self, parse: MetadataParse, data: bytes, key: str, image_layers: tuple[str, ...] = ()) -> None: ...
 
 
 def fallback_reason(exc: BaseException) -> str:
@@ -172,8 +172,8 @@ class RemoteBackend:
             return meta.format, 0, 0
         bootstrap_cap = self.config.limits.max_bootstrap_bytes if max_bootstrap_bytes is None else max_bootstrap_bytes
 
-        def preload(parse: MetadataParse, data: bytes, image_layers: tuple[str, ...]) -> None:
-            self.mounter.preload(parse, data, image_layers if whole_image else ())
+        def preload(parse: MetadataParse, data: bytes, key: str, image_layers: tuple[str, ...]) -> None:
+            self.mounter.preload(parse, data, key, image_layers if whole_image else ())
 
         async def job(client: RegistryClient) -> tuple[ResolvedLayer, int]:
             with counting_bytes() as fetched:

@@ -335,9 +335,9 @@ class MountManager:
                 if last:
                     spare.stdin.close()
 
-    def preload(self, parse: MetadataParse, data: bytes, image_layers: tuple[str, ...] = ()) -> None:
+    def preload(self, parse: MetadataParse, data: bytes, key: str, image_layers: tuple[str, ...] = ()) -> None:
         """Hand the waiting spare a layer's metadata to parse while the daemon parses it too (see
-        the module docstring); image_layers: for an image's lowest layer, the image's layers
+        the module docstring); key: `parse.key(data)`; image_layers: for an image's lowest layer, the image's layers
         (the spare builds the image's tree once it has them all), else empty. Never blocks, never raises: without a
         spare, or on any failure, the preload is dropped and the mount loads the persisted index."""
         if not self.config.preload_metadata:
@@ -346,7 +346,7 @@ class MountManager:
             spare = self._spare
         if spare is None or spare.poll() is not None or len(data) > PRELOAD_MAX_BYTES:
             return
-        path = self.preload_dir / parse.key(data)
+        path = self.preload_dir / key
         try:
             self.preload_dir.mkdir(exist_ok=True)
             tmp = path.with_suffix(".tmp")

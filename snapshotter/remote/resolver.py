@@ -39,7 +39,7 @@ TAIL_BYTES = 64 * 1024
 # the image's layers from this one up (the spare mount process parses the same bytes meanwhile
 # and, from the lowest layer's list, builds the image's tree ahead: remote/mounts.py preload).
 # Must not block.
-OnMetadata = Callable[[MetadataParse, bytes, tuple[str, ...]], None]
+OnMetadata = Callable[[MetadataParse, bytes, str, tuple[str, ...]], None]  # (parse, data, its key, layers)
 
 
 class NotLazy(SnapshotterError):
@@ -89,12 +89,13 @@ NYDUS_BLOB_FORMAT = NYDUS_BLOB
 async def _parse(ref: LayerRef, p: MetadataParse, data: bytes, on_metadata: OnMetadata | None,
                  expected_toc_digest: str | None = None) -> tuple[LayerIndex, str]:
     """(index, parse key) of `data`, parsed off the loop; `on_metadata` is told first."""
+    key = p.key(data)
     if on_metadata is not None:
-        on_metadata(p, data, ref.image_layers)
+        on_metadata(p, data, key, ref.image_layers)
     if p.kind == NYDUS_BLOB:  # nothing to parse
-        return parse_metadata(p, data), p.key(data)
+        return parse_metadata(p, data), key
     index = await _off_loop(parse_metadata, p, data, expected_toc_digest=expected_toc_digest)
-    return index, p.key(data)
+    return index, key
 
 
 async def _resolve_nydus(client: RegistryClient, ref: LayerRef, size: int, *,

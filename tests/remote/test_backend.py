@@ -78,7 +78,8 @@ class FakeMounter:
         self.pruned += 1
         return []
 
-    def preload(self, parse: MetadataParse, data: bytes, image_layers: tuple[str, ...] = ()) -> None:
+    def preload(self, parse: MetadataParse, data: bytes, key: str, image_layers: tuple[str, ...] = ()) -> None:
+        assert key == parse.key(data)
         self.preloads.append((parse, data, image_layers))
 
 

@@ -35,7 +35,7 @@ def test_a_reading_spare_gets_the_data_file_and_a_line(manager: MountManager, tm
     out = tmp_path / "lines"
     spare = _fake_spare(f"cat > {out}")
     manager._spare = spare
-    manager.preload(PARSE, b"toc bytes", (LAYER,))
+    manager.preload(PARSE, b"toc bytes", PARSE.key(b"toc bytes"), (LAYER,))
     assert spare.stdin is not None
     spare.stdin.close()
     spare.wait(timeout=10)
@@ -51,7 +51,7 @@ def test_a_spare_that_does_not_read_never_blocks_the_daemon(manager: MountManage
     try:
         began = time.monotonic()
         for i in range(400):  # far more lines than a pipe holds
-            manager.preload(PARSE, f"toc {i}".encode(), (LAYER,))
+            manager.preload(PARSE, f"toc {i}".encode(), PARSE.key(f"toc {i}".encode()), (LAYER,))
         assert time.monotonic() - began < 30, "preload waited on the spare"
         kept = list(manager.preload_dir.iterdir())
         assert 0 < len(kept) < 400, "lines that did not fit leave no data file behind"
@@ -62,12 +62,12 @@ def test_a_spare_that_does_not_read_never_blocks_the_daemon(manager: MountManage
 
 def test_no_spare_or_preload_off_hands_nothing(tmp_path: Path) -> None:
     m = MountManager(Config(root=tmp_path, spare_mount_process=False))
-    m.preload(PARSE, b"x")
+    m.preload(PARSE, b"x", PARSE.key(b"x"))
     assert not m.preload_dir.exists() or not list(m.preload_dir.iterdir())
     spare = _fake_spare("cat > /dev/null")
     off = MountManager(Config(root=tmp_path / "off", spare_mount_process=False, preload_metadata=False))
     off._spare = spare
-    off.preload(PARSE, b"x")
+    off.preload(PARSE, b"x", PARSE.key(b"x"))
     assert not off.preload_dir.exists()
     spare.kill()
     spare.wait(timeout=10)
