@@ -231,12 +231,14 @@ class _Job:
     """Chunks this task leads, keyed by cache key, how to group them into range requests
     (`max_gap`, `max_run_bytes`; 0: contiguous ranges up to max_merge_bytes) and what it cost.
     `waited`: the keys a read waits for (the rest, amplified neighbours, may come later);
-    `in_memory`: fetch into memory, not into the cache."""
+    `in_memory`: fetch into memory, not into the cache; `trust_cache`: a chunk found in the
+    cache when the job starts counts as done (a read that must get bytes does not trust it)."""
 
     chunks: dict[str, Chunk] = field(default_factory=dict)
     flights: dict[str, _Flight] = field(default_factory=dict)
     waited: set[str] = field(default_factory=set)
     in_memory: bool = False
+    trust_cache: bool = True
     max_gap: int = 0
     max_run_bytes: int = 0
     requests: int = 0
@@ -435,8 +437,10 @@ class LayerReader:
             if not missing:
                 break
             # Chunks evicted before they could be read back (a cache smaller than the reads and
-            # their read-ahead) are fetched into memory the next time.
-            full = await self._obtain(missing, extra, into_memory=round_no > 0)
+            # their read-ahead) are fetched into memory the next time; the last round fetches
+            # them itself, as joining another read's flight could end in the cache again.
+            last = round_no == _STORED_READ_ROUNDS - 1
+            full = await self._obtain(missing, extra, into_memory=round_no > 0, private=last)
             extra = None
             stored: list[int] = []
             for i, key in enumerate(keys):
@@ -470,25 +474,28 @@ class LayerReader:
         return found
 
     async def _obtain(self, wanted: dict[str, Chunk], extra: dict[str, Chunk] | None = None, *,
-                      into_memory: bool = False) -> dict[str, bytes | None]:
+                      into_memory: bool = False, private: bool = False) -> dict[str, bytes | None]:
         """Every wanted chunk: its bytes, or None when they are in the cache. Leads fetches
         nobody runs (into memory, not the cache, with `into_memory`), waits for the others.
-        `extra` chunks (nobody fetches them yet) go into the cache with the first round's
-        requests; they are not returned."""
+        `private` (with `into_memory`): fetches every chunk itself, joining no other flight and
+        trusting no cached copy, so that every chunk comes back as bytes. `extra` chunks (nobody
+        fetches them yet) go into the cache with the first round's requests; they are not returned."""
         got: dict[str, bytes | None] = {}
         while wanted:
-            job = _Job(in_memory=into_memory)
+            job = _Job(in_memory=into_memory or private, trust_cache=not private)
             waits: dict[str, _Flight] = {}
             late: list[str] = []
             for key, chunk in wanted.items():
-                flight = self._flights.get(key)
+                flight = None if private else self._flights.get(key)
                 if flight is None:
-                    flight = self._flights[key] = _Flight()
+                    flight = _Flight()
+                    if not private:
+                        self._flights[key] = flight
                     job.chunks[key] = chunk
                     job.flights[key] = flight
                     job.waited.add(key)
                 waits[key] = flight
-            if extra and job.chunks:
+            if extra and job.chunks and not private:
                 for key, chunk in extra.items():
                     if key not in self._flights:
                         job.chunks[key] = chunk
@@ -567,7 +574,7 @@ class LayerReader:
             # in-flight table) while our caller was looking them up.
             cache = self.cache
             present: set[str] = set()
-            if cache is not None:
+            if cache is not None and job.trust_cache:
                 try:
                     present = await trio.to_thread.run_sync(cache.present, list(job.chunks),
                                                             limiter=self._cache_limiter)

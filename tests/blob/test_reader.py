@@ -8,7 +8,7 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import pytest
@@ -919,3 +919,34 @@ def test_a_joined_read_whose_later_chunk_is_gone_is_fetched_again(blob: BuiltBlo
             assert [(off, length) for _, off, length in source.calls] == [(second.blob_offset, second.blob_size)]
 
     trio.run(main)
+
+
+def test_a_read_gets_its_bytes_when_the_cache_loses_every_chunk_it_reports(blob: BuiltBlob, tmp_path: Path) -> None:
+    # The cache reports every chunk present (as when another read's flight has just stored it)
+    # but has lost each by the time it is read back (evicted by a cache far too small). The last
+    # round must fetch the bytes itself instead of trusting the cache once more.
+    class Forgetful(ChunkCache):
+        def present(self, keys: Iterable[str]) -> set[str]:
+            return set(keys)
+
+        def get(self, key: str, offset: int = 0, size: int | None = None) -> bytes | None:
+            return None
+
+        def get_resident(self, key: str, offset: int, size: int) -> bytearray | None:
+            return None
+
+        def read_resident_into(self, key: str, offset: int, into: memoryview) -> bool:
+            return False
+
+        def read_into(self, key: str, offset: int, into: memoryview) -> bool:
+            return False
+
+    e = blob.entries["big"]
+    source = CountingSource([blob.path])
+
+    async def main() -> bytes | bytearray:
+        reader = LayerReader(source, blobs=[LAYER], cache=Forgetful(tmp_path, 1 << 30), config=CHUNKWISE)
+        return await reader.read(e, CHUNK, 200)
+
+    assert trio.run(main) == blob.contents["big"][CHUNK:CHUNK + 200]
+    assert source.calls, "the bytes came from the source"
