@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from snapshotter.cache import procs
+from snapshotter.cache.buffers import ReadBuffers
 from snapshotter.cache.keys import relative_path
 from snapshotter.cache.open_files import OpenChunk, OpenChunkFiles
 from snapshotter.errors import CacheError
@@ -159,6 +160,7 @@ class ChunkCache:
         self._busy_ms = int(busy_timeout * 1000)
         self._lock = threading.RLock()
         self._open_files = OpenChunkFiles()
+        self._read_buffers = ReadBuffers()
         self._db: sqlite3.Connection | None = None
         self._db_pid = -1
         self._me: tuple[int, str] | None = None
@@ -289,11 +291,12 @@ class ChunkCache:
         except (sqlite3.Error, OSError) as exc:
             raise CacheError(f"chunk cache {self.root}: cannot read {key}: {exc}") from exc
 
-    def get_resident(self, key: str, offset: int, size: int) -> bytearray | None:
+    def get_resident(self, key: str, offset: int, size: int) -> memoryview | None:
         """The chunk's bytes [offset, offset+size) (clipped to its end) when this can be had
         without waiting: its file is open here already (no index query), the bytes are in the
         page cache (RWF_NOWAIT) and its LRU row needs no refresh. None otherwise (use `get`).
-        Safe to call from an event loop thread."""
+        Safe to call from an event loop thread. The view is of a pooled buffer (see
+        `buffers.ReadBuffers`), reused only once nothing refers to it."""
         if not _NOWAIT_READS or offset < 0 or size < 0:
             return None
         held = self._open_files.checkout(key)
@@ -301,8 +304,8 @@ class ChunkCache:
             return None
         try:
             want = max(0, min(held.size - offset, size))
-            buf = bytearray(want)
-            return buf if self._read_resident(held, offset, memoryview(buf)) else None
+            view = self._read_buffers.take(want)
+            return view if self._read_resident(held, offset, view) else None
         finally:
             self._open_files.checkin(held)
 

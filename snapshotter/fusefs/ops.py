@@ -59,7 +59,7 @@ class LayerReader(Protocol):
     must tolerate cancellation at any await.
     """
 
-    async def read(self, entry: Entry, offset: int, size: int) -> bytes | bytearray: ...
+    async def read(self, entry: Entry, offset: int, size: int) -> bytes | bytearray | memoryview: ...
 
 
 @dataclass(frozen=True)
@@ -332,9 +332,10 @@ class LazyOperations(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=inode, keep_cache=True)
 
     # pyfuse3 types read() as returning bytes, but it sends any contiguous buffer (it takes the
-    # result with PyObject_GetBuffer); a bytearray saves copying each read once more.
+    # result with PyObject_GetBuffer); a bytearray, or a memoryview of a pooled buffer, saves
+    # copying each read once more.
     @_edge
-    async def read(self, fh: int, off: int, size: int) -> bytes | bytearray:  # type: ignore[override]
+    async def read(self, fh: int, off: int, size: int) -> bytes | bytearray | memoryview:  # type: ignore[override]
         node = self._node(fh)
         if node.type is not EntryType.REG or node.entry is None or node.layer is None:
             raise pyfuse3.FUSEError(errno.EINVAL)
@@ -352,7 +353,7 @@ class LazyOperations(pyfuse3.Operations):
             self.stats.read_errors += 1
             raise pyfuse3.FUSEError(errno.EIO)
         reader = self.readers[node.layer]
-        data: bytes | bytearray | None = None
+        data: bytes | bytearray | memoryview | None = None
         with trio.move_on_after(self.config.fetch_timeout):
             try:
                 data = await reader.read(node.entry, off, want)
@@ -376,7 +377,7 @@ class LazyOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EIO)
         self.stats.read_bytes += want
         self.stats.note_demand(node.layer, node.entry, off, want)
-        return data  # pyfuse3 sends any buffer: a bytearray read from the page cache is not copied again
+        return data  # pyfuse3 sends any buffer: a buffer read from the page cache is not copied again
 
     async def release(self, fh: int) -> None:
         return None

@@ -163,7 +163,7 @@ class _TrackedReader:
         self.inner = inner
         self._gate = gate
 
-    async def read(self, entry: Any, offset: int, size: int) -> bytes | bytearray:
+    async def read(self, entry: Any, offset: int, size: int) -> bytes | bytearray | memoryview:
         gate = self._gate
         gate.active += 1
         gate.reads += 1

@@ -134,7 +134,7 @@ def test_get_resident_serves_only_open_page_cached_chunks_without_waiting(tmp_pa
     assert cache.get_resident(key, 0, 100) is None  # not open here yet: that needs the index
     assert cache.get(key, 0, 10) == data[:10]  # opens and holds the file
     got = cache.get_resident(key, 1000, 5000)
-    assert got == data[1000:6000] and isinstance(got, bytearray)
+    assert got == data[1000:6000] and isinstance(got, memoryview)
     assert cache.get_resident(key, len(data) - 10, 100) == data[-10:]  # clipped to the chunk
     _drop_page_cache()
     assert cache.get_resident(key, 0, 4096) is None  # on disk only: the caller's thread reads it
@@ -213,3 +213,26 @@ def test_read_into_reads_from_the_disk_into_a_slice_and_says_no_for_what_is_not_
     assert not cache.read_into(missing, 0, view[:10]), "not cached"
     os.truncate(cache.path_for(a), 100)  # an outside writer damaging the file in place
     assert not cache.read_into(a, 0, view[:4096]), "a short read is a miss, never short data"
+
+
+def test_resident_reads_reuse_a_buffer_only_once_nothing_refers_to_it(tmp_path: Path) -> None:
+    """A FUSE reply is a view of a pooled buffer: a view still held (by a caller or a buffer
+    export) keeps its buffer out of the pool, and a released one is reused, not reallocated."""
+    cache = ChunkCache(tmp_path, 1 << 20, touch_interval=3600)
+    (k1, first), (k2, second) = chunk(1, 8192), chunk(2, 8192)
+    for key, data in ((k1, first), (k2, second)):
+        assert cache.put(key, data)
+        assert cache.get(key) == data  # opens it here, so the reads below are served inline
+    a = cache.get_resident(k1, 0, 4096)
+    assert a is not None
+    exported = memoryview(a)  # what PyObject_GetBuffer holds while pyfuse3 sends a reply
+    del a
+    b = cache.get_resident(k2, 0, 4096)
+    assert b is not None and bytes(b) == second[:4096]
+    assert bytes(exported) == first[:4096], "a buffer still referred to was handed out again"
+    held = id(b.obj)  # not the object: a reference here would keep it out of the pool
+    del b
+    c = cache.get_resident(k2, 4096, 4096)
+    assert c is not None and id(c.obj) == held, "a released buffer is reused"
+    assert bytes(c) == second[4096:]
+    assert bytes(exported) == first[:4096]
