@@ -17,10 +17,6 @@ from __future__ import annotations
 import sys
 import threading
 
-# References to a free pooled buffer while `_free_buffer` looks at it: the pool's list, the
-# loop variable and getrefcount's own argument.
-_FREE_REFCOUNT = 3
-
 
 class ReadBuffers:
     """Up to `count` buffers of `size` bytes; a request larger than `size`, or one made while
@@ -33,14 +29,17 @@ class ReadBuffers:
         self.count = count
         self._buffers: list[bytearray] = []
         self._lock = threading.Lock()
+        # The count `take` sees for a buffer only a pool list refers to, measured the same way
+        # (interpreters differ in the temporary references such a loop holds).
+        self._free_refcount = next(map(sys.getrefcount, [bytearray(1)]))
 
     def take(self, n: int) -> memoryview:
         if n > self.size or n <= 0:
             return memoryview(bytearray(max(n, 0)))
         with self._lock:
-            for buf in self._buffers:
-                if sys.getrefcount(buf) == _FREE_REFCOUNT:
-                    return memoryview(buf)[:n]
+            for i, refs in enumerate(map(sys.getrefcount, self._buffers)):
+                if refs == self._free_refcount:
+                    return memoryview(self._buffers[i])[:n]
             if len(self._buffers) < self.count:
                 buf = bytearray(self.size)
                 self._buffers.append(buf)
