@@ -37,6 +37,7 @@ import pyfuse3
 import trio
 
 from snapshotter.errors import SnapshotterError
+from snapshotter.formats.codec import Buffer
 from snapshotter.formats.index import Entry, EntryType
 from snapshotter.fusefs.tree import MountTree, Node
 
@@ -59,7 +60,7 @@ class LayerReader(Protocol):
     must tolerate cancellation at any await.
     """
 
-    async def read(self, entry: Entry, offset: int, size: int) -> bytes | bytearray | memoryview: ...
+    async def read(self, entry: Entry, offset: int, size: int) -> Buffer: ...
 
 
 @dataclass(frozen=True)
@@ -335,7 +336,7 @@ class LazyOperations(pyfuse3.Operations):
     # result with PyObject_GetBuffer); a bytearray, or a memoryview of a pooled buffer, saves
     # copying each read once more.
     @_edge
-    async def read(self, fh: int, off: int, size: int) -> bytes | bytearray | memoryview:  # type: ignore[override]
+    async def read(self, fh: int, off: int, size: int) -> Buffer:  # type: ignore[override]
         node = self._node(fh)
         if node.type is not EntryType.REG or node.entry is None or node.layer is None:
             raise pyfuse3.FUSEError(errno.EINVAL)
@@ -353,7 +354,7 @@ class LazyOperations(pyfuse3.Operations):
             self.stats.read_errors += 1
             raise pyfuse3.FUSEError(errno.EIO)
         reader = self.readers[node.layer]
-        data: bytes | bytearray | memoryview | None = None
+        data: Buffer | None = None
         with trio.move_on_after(self.config.fetch_timeout):
             try:
                 data = await reader.read(node.entry, off, want)

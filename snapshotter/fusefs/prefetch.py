@@ -49,6 +49,7 @@ from typing import Any
 
 import trio
 
+from snapshotter.formats.codec import Buffer
 from snapshotter.formats.index import Chunk, EntryType, Landmark, LayerIndex
 from snapshotter.fusefs.ops import LayerReader
 from snapshotter.fusefs.tree import MountTree
@@ -163,7 +164,7 @@ class _TrackedReader:
         self.inner = inner
         self._gate = gate
 
-    async def read(self, entry: Any, offset: int, size: int) -> bytes | bytearray | memoryview:
+    async def read(self, entry: Any, offset: int, size: int) -> Buffer:
         gate = self._gate
         gate.active += 1
         gate.reads += 1

@@ -328,7 +328,7 @@ class LayerReader:
 
     # -- public -----------------------------------------------------------------------------
 
-    async def read(self, entry: Entry, offset: int, size: int) -> bytes | bytearray | memoryview:
+    async def read(self, entry: Entry, offset: int, size: int) -> Buffer:
         """File bytes [offset, offset+size) of `entry`, clipped to its size (b"" past the end)."""
         if entry.type is not EntryType.REG:
             raise FormatError(f"{entry.name!r} is a {entry.type.value}, not a regular file")
@@ -419,7 +419,7 @@ class LayerReader:
 
     # -- getting chunk bytes -----------------------------------------------------------------
 
-    async def _get(self, chunks: Sequence[Chunk], offset: int, end: int) -> list[bytes | bytearray | memoryview]:
+    async def _get(self, chunks: Sequence[Chunk], offset: int, end: int) -> list[Buffer]:
         """The bytes of `chunks` inside file range [offset, end), in order: one part per chunk,
         or one part for all of them when the page cache holds them all."""
         keys = [self.key_for(c) for c in chunks]
@@ -462,7 +462,7 @@ class LayerReader:
                              "they were fetched (cache.max_bytes too small for the reads?)")
         return [found[i] for i in range(len(chunks))]
 
-    async def _cached_parts(self, wanted: list[tuple[str, int, int]]) -> dict[int, bytes | bytearray | memoryview]:
+    async def _cached_parts(self, wanted: list[tuple[str, int, int]]) -> dict[int, Buffer]:
         """Those of the (key, offset, size) parts the cache holds, by position: only the needed
         part of each chunk (a 128 KiB FUSE read of a 4 MiB chunk), from the page cache inline
         when it is there, else in a worker thread."""
@@ -821,13 +821,13 @@ class LayerReader:
 
     # -- cache access (worker threads) -------------------------------------------------------
 
-    def _cache_get_resident(self, wanted: list[tuple[str, int, int]]) -> dict[int, bytes | bytearray | memoryview]:
+    def _cache_get_resident(self, wanted: list[tuple[str, int, int]]) -> dict[int, Buffer]:
         """Those of the (key, offset, size) requests the cache serves without waiting (see
         `ChunkCache.get_resident`), by position; a worker thread costs more than such a read."""
         cache = self.cache
         if cache is None or self.config.verify_cached:
             return {}
-        found: dict[int, bytes | bytearray | memoryview] = {}
+        found: dict[int, Buffer] = {}
         for i, (key, off, size) in enumerate(wanted):
             data = cache.get_resident(key, off, size)
             if data is not None:

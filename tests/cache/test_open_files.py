@@ -227,12 +227,15 @@ def test_resident_reads_reuse_a_buffer_only_once_nothing_refers_to_it(tmp_path: 
     assert a is not None
     exported = memoryview(a)  # what PyObject_GetBuffer holds while pyfuse3 sends a reply
     del a
-    b = cache.get_resident(k2, 0, 4096)
-    assert b is not None and bytes(b) == second[:4096]
+    b = cache.get_resident(k2, 0, 8192)
+    assert b is not None and bytes(b) == second
     assert bytes(exported) == first[:4096], "a buffer still referred to was handed out again"
     held = id(b.obj)  # not the object: a reference here would keep it out of the pool
     del b
     c = cache.get_resident(k2, 4096, 4096)
     assert c is not None and id(c.obj) == held, "a released buffer is reused"
     assert bytes(c) == second[4096:]
+    # Past the view, the buffer still holds what the previous read put there (a fresh,
+    # zero-filled one would not): the reuse is not an allocator handing back the same address.
+    assert bytes(memoryview(c.obj)[4096:8192]) == second[4096:]
     assert bytes(exported) == first[:4096]
