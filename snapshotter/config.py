@@ -57,6 +57,9 @@ class PrefetchConfig:
         "doc": "bandwidth cap of the background fetch per mount (0 = unlimited)"})
     background_delay: float = field(default=3.0, metadata={
         "doc": "seconds without filesystem requests (any kind) before the background fetch starts or resumes"})
+    startup_files: bool = field(default=True, metadata={
+        "doc": "when an image's mount starts, also prefetch the files nearly every container start reads: "
+               "/etc/passwd and /etc/group (runc), the dynamic loader, /etc/ld.so.cache and libc.so.6"})
 
 
 @dataclass(frozen=True)

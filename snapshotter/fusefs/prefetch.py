@@ -3,7 +3,10 @@
 Landmark prefetch (per layer, all layers at once, as soon as the mount is up):
 - runs when the layer's index lists prefetch files (`LayerIndex.prefetch`: the files before an
   eStargz/zstd:chunked `.prefetch.landmark`, or a Nydus bootstrap's prefetch table) and the layer
-  has no `.no.prefetch.landmark`;
+  has no `.no.prefetch.landmark`; and, unless `[prefetch] startup_files` is off, for the
+  start-up files (`startup_files.py`: the user database runc reads, the dynamic loader, its
+  cache and the C library) that the merged tree serves from the layer, landmark or not (a
+  converter writes `.no.prefetch.landmark` whenever it was given no prefetch list);
 - fetches every chunk of those files into the chunk cache, pinned for the life of the process,
   merging chunks of one blob that lie at most `PREFETCH_MAX_GAP` bytes apart into one range
   request of at most max(max_merge_bytes, max_inflight_bytes / 4) bytes: an eStargz prefetch
@@ -50,8 +53,9 @@ from typing import Any
 import trio
 
 from snapshotter.formats.codec import Buffer
-from snapshotter.formats.index import Chunk, EntryType, Landmark, LayerIndex
+from snapshotter.formats.index import Chunk, Entry, EntryType, Landmark, LayerIndex
 from snapshotter.fusefs.ops import LayerReader
+from snapshotter.fusefs.startup_files import startup_files
 from snapshotter.fusefs.tree import MountTree
 from snapshotter.reader.units import UNIT_BYTES, units
 
@@ -72,6 +76,7 @@ class PrefetchSettings:
     background: bool = True
     background_bytes_per_second: int = 0
     background_delay: float = 3.0
+    startup_files: bool = True
     in_use_file: str | None = None  # background waits until this file exists or a read came
 
     @classmethod
@@ -87,11 +92,13 @@ class PrefetchSettings:
             return float(value) if ok and value >= 0 else default
 
         background = section.get("background", True)
+        startup = section.get("startup_files", True)
         return cls(
             prefetch_timeout=num(timeout, DEFAULT_PREFETCH_TIMEOUT),
             background=background if isinstance(background, bool) else True,
             background_bytes_per_second=int(num(section.get("background_bytes_per_second", 0), 0)),
             background_delay=num(section.get("background_delay", 3.0), 3.0),
+            startup_files=startup if isinstance(startup, bool) else True,
             in_use_file=doc["in_use_file"] if isinstance(doc.get("in_use_file"), str) else None,
         )
 
@@ -102,6 +109,7 @@ class PrefetchStatus:
 
     prefetch: "pending", "running", "done", "failed" or "skipped" (then prefetch_reason says why:
       "no_prefetch_landmark", "no_prefetch_files", "local_blob", "no_cache").
+    prefetch_files counts the layer's prefetch list and its start-up files (startup_files of them).
     background: "pending", "waiting" (for the landmark prefetch / for reads to pause), "running",
       "done", "disabled", "stopped" (background_reason: "cache_full", "unmounted", "error: ...")
       or "skipped" (same reasons as prefetch_reason).
@@ -114,6 +122,7 @@ class PrefetchStatus:
     prefetch: str = "pending"
     prefetch_reason: str = ""
     prefetch_files: int = 0
+    startup_files: int = 0
     prefetch_chunks: int = 0
     prefetch_bytes: int = 0
     prefetch_requests: int = 0
@@ -182,15 +191,19 @@ def _landmark_name(index: LayerIndex) -> str:
     return index.landmark.value
 
 
-def prefetch_chunks(index: LayerIndex, unit_bytes: int = UNIT_BYTES) -> tuple[int, list[Chunk]]:
-    """(number of files, their read units in layer order) of the index's prefetch files
-    (`unit_bytes`: the reader's ReaderConfig.unit_bytes)."""
+def prefetch_chunks(index: LayerIndex, unit_bytes: int = UNIT_BYTES,
+                    extra: Sequence[Entry] = ()) -> tuple[int, list[Chunk]]:
+    """(number of files, their read units) of the index's prefetch files in list order (none under
+    a `.no.prefetch.landmark`), then of the `extra` entries not among them (`unit_bytes`: the
+    reader's ReaderConfig.unit_bytes)."""
     files = 0
     chunks: list[Chunk] = []
-    for name in index.prefetch:
-        entry = index.get(name)
-        if entry is None or entry.type is not EntryType.REG:
+    taken: set[int] = set()
+    names = () if index.landmark is Landmark.NO_PREFETCH else index.prefetch
+    for entry in (*(index.get(name) for name in names), *extra):
+        if entry is None or entry.type is not EntryType.REG or id(entry) in taken:
             continue
+        taken.add(id(entry))
         files += 1
         chunks.extend(c for c in units(entry, unit_bytes) if not c.zeros)
     return files, chunks
@@ -223,6 +236,10 @@ class Prefetcher:
         self.layers: list[PrefetchStatus] = []
         self.status: dict[str, dict[str, Any]] = {}
         self._keys: list[str] = []
+        self._startup: dict[int, list[Entry]] = {}
+        if settings.startup_files:
+            self._startup = {layer: [n.entry for n in nodes if n.entry is not None]
+                             for layer, nodes in startup_files(tree).items()}
         for i, (index, name) in enumerate(zip(tree.layers, names, strict=True)):
             key = f"{i}:{name}" if name else str(i)
             self._keys.append(key)
@@ -256,6 +273,8 @@ class Prefetcher:
             return "local_blob"
         if getattr(reader, "cache", None) is None:
             return "no_cache"
+        if self._startup.get(i):
+            return ""
         if index.landmark is Landmark.NO_PREFETCH:
             return "no_prefetch_landmark"
         if not index.prefetch:
@@ -284,8 +303,10 @@ class Prefetcher:
             self._publish()
             return
         reader: Any = self.readers[i]
-        files, chunks = prefetch_chunks(self.tree.layers[i], reader.config.unit_bytes)
+        startup = self._startup.get(i, [])
+        files, chunks = prefetch_chunks(self.tree.layers[i], reader.config.unit_bytes, startup)
         st.prefetch, st.prefetch_files, st.prefetch_chunks = "running", files, len(chunks)
+        st.startup_files = len(startup)
         self._publish()
         began = time.monotonic()
         cfg = reader.config
@@ -302,9 +323,10 @@ class Prefetcher:
             if tally is not None:
                 st.prefetch_bytes, st.prefetch_requests = tally.fetched_bytes, tally.requests
             self._publish()
-        log.info("event=prefetch layer=%s status=%s files=%d chunks=%d bytes=%d requests=%d seconds=%.3f%s",
-                 st.layer, st.prefetch, files, len(chunks), st.prefetch_bytes, st.prefetch_requests,
-                 st.prefetch_seconds, f" error={st.prefetch_reason!r}" if st.prefetch == "failed" else "")
+        log.info("event=prefetch layer=%s status=%s files=%d startup_files=%d chunks=%d bytes=%d requests=%d "
+                 "seconds=%.3f%s", st.layer, st.prefetch, files, len(startup), len(chunks), st.prefetch_bytes,
+                 st.prefetch_requests, st.prefetch_seconds,
+                 f" error={st.prefetch_reason!r}" if st.prefetch == "failed" else "")
 
     async def _background(self) -> None:
         if not self.settings.background:

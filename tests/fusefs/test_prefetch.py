@@ -348,3 +348,77 @@ def test_ready_file_waits_for_prefetch_at_most_the_timeout(tmp_path: Path) -> No
 
     written, prefetched = trio.run(main)
     assert 0.25 <= written < 0.8 and prefetched >= 1.0
+
+
+def _startup_layer(tmp: Path) -> tuple[Path, LayerIndex, dict[str, bytes]]:
+    """An eStargz layer written with no prefetch list (so `.no.prefetch.landmark`) holding a
+    glibc userland's start-up files and an unrelated big file."""
+    rng = random.Random(9)
+    files = {"etc/passwd": b"root:x:0:0:root:/root:/bin/sh\n", "etc/group": b"root:x:0:\n",
+             "etc/ld.so.cache": rng.randbytes(2_000), "lib/x86_64-linux-gnu/ld-linux-x86-64.so.2":
+             rng.randbytes(90_000), "lib/x86_64-linux-gnu/libc.so.6": rng.randbytes(200_000),
+             "opt/weights": rng.randbytes(400_000)}
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for d in ("etc", "lib", "lib/x86_64-linux-gnu", "lib64", "opt"):
+            info = tarfile.TarInfo(d)
+            info.type, info.mode = tarfile.DIRTYPE, 0o755
+            tf.addfile(info)
+        link = tarfile.TarInfo("lib64/ld-linux-x86-64.so.2")
+        link.type, link.linkname = tarfile.SYMTYPE, "/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2"
+        tf.addfile(link)
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    blob = tmp / "layer.estargz"
+    with open(blob, "wb") as dst:
+        result = write_estargz(io.BytesIO(buf.getvalue()), dst, chunk_size=CHUNK, prefetch=[])
+    raw = blob.read_bytes()
+    footer = parse_footer(raw[-51:])
+    off, length = toc_range(footer, len(raw))
+    index = parse_toc(raw[off:off + length], blob_size=len(raw), layer_digest=result.digest,
+                      max_toc_bytes=16 << 20, toc_offset=footer.toc_offset)
+    return blob, index, files
+
+
+STARTUP = ("etc/passwd", "etc/group", "etc/ld.so.cache", "lib/x86_64-linux-gnu/ld-linux-x86-64.so.2",
+           "lib/x86_64-linux-gnu/libc.so.6")
+
+
+def test_startup_files_are_prefetched_even_under_a_no_prefetch_landmark(tmp_path: Path) -> None:
+    blob, index, files = _startup_layer(tmp_path)
+    assert index.landmark is Landmark.NO_PREFETCH
+    reads: dict[str, bytes] = {}
+
+    async def body(p: Prefetcher, reader, source: CountingSource) -> None:  # type: ignore[no-untyped-def]
+        with trio.fail_after(10):
+            await p.prefetched.wait()
+        n = len(source.calls)
+        assert 1 <= n <= 2  # the five files lie together: one or two merged ranges, not five
+        (tracked,) = p.tracked([reader])
+        for name in STARTUP:
+            reads[name] = await tracked.read(index[name], 0, index[name].size)
+        assert len(source.calls) == n, "start-up files are read from the cache"
+        await tracked.read(index["opt/weights"], 0, 1000)
+        assert len(source.calls) == n + 1, "files outside the start-up set were not prefetched"
+
+    p, _source, _ = run(tmp_path, index, blob, PrefetchSettings(background=False), body=body)
+    assert reads == {n: files[n] for n in STARTUP}
+    st = p.status["0:sha256:layer"]
+    assert st["prefetch"] == "done" and st["startup_files"] == 5 and st["prefetch_files"] == 5
+
+
+def test_startup_files_off_leaves_a_no_prefetch_layer_alone(tmp_path: Path) -> None:
+    blob, index, _files = _startup_layer(tmp_path)
+
+    async def body(p: Prefetcher, reader, source: CountingSource) -> None:  # type: ignore[no-untyped-def]
+        with trio.fail_after(10):
+            await p.prefetched.wait()
+        assert source.calls == []
+
+    p, _source, _ = run(tmp_path, index, blob, PrefetchSettings(background=False, startup_files=False),
+                        body=body)
+    st = p.status["0:sha256:layer"]
+    assert st["prefetch"] == "skipped" and st["prefetch_reason"] == "no_prefetch_landmark"
+    assert PrefetchSettings.from_doc({"config": {"prefetch": {"startup_files": False}}}).startup_files is False
