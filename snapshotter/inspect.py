@@ -17,6 +17,7 @@ from snapshotter.formats import estargz, zstdchunked
 from snapshotter.formats.index import LayerIndex
 from snapshotter.formats.nydus import parse_bootstrap
 from snapshotter.formats.nydus_layer import bootstrap_from_layer
+from snapshotter.formats.tail_hint import TAIL_SIZE_ANNOTATION, parse_tail_size
 
 EROFS_MAGIC_AT_1024 = b"\xe2\xe1\xf5\xe0"
 
@@ -92,7 +93,7 @@ async def _inspect_ref(ref: str, config: Config) -> list[dict[str, Any]]:
         for layer in manifest.get("layers", []):
             ann = layer.get("annotations", {})
             lref = LayerRef(ref, layer["digest"], (), None, ann.get("containerd.io/snapshot/stargz/toc.digest"),
-                            False, False, "inspect")
+                            False, False, "inspect", tail_size=parse_tail_size(ann.get(TAIL_SIZE_ANNOTATION)))
             item: dict[str, Any] = {"digest": layer["digest"], "mediaType": layer.get("mediaType"),
                                     "size": layer.get("size"), "annotations": ann}
             try:

@@ -48,6 +48,7 @@ from snapshotter.formats.index import (
     PREFETCH_LANDMARK,
     normalize_name,
 )
+from snapshotter.formats.tail_hint import tail_size_annotation
 
 TOC_DIGEST_ANNOTATION = "containerd.io/snapshot/stargz/toc.digest"
 UNCOMPRESSED_SIZE_ANNOTATION = "io.containers.estargz.uncompressed-size"
@@ -73,12 +74,15 @@ class EstargzResult:
     toc_digest: str
     uncompressed_size: int
     missing_prefetch: tuple[str, ...] = ()
+    toc_offset: int = 0  # where the TOC's gzip member starts
 
     def annotations(self) -> dict[str, str]:
-        """The layer descriptor annotations ctr-remote sets for an eStargz layer."""
+        """The layer descriptor annotations ctr-remote sets for an eStargz layer, plus our
+        tail-size hint (`tail_hint.py`)."""
         return {
             TOC_DIGEST_ANNOTATION: self.toc_digest,
             UNCOMPRESSED_SIZE_ANNOTATION: str(self.uncompressed_size),
+            **tail_size_annotation(self.size, self.toc_offset),
         }
 
 
@@ -363,5 +367,5 @@ def write_estargz(src: BinaryIO, dst: BinaryIO, *, chunk_size: int = 4 << 20,
         digest="sha256:" + out.blob_hash.hexdigest(), size=out.offset,
         diff_id="sha256:" + out.diff_hash.hexdigest(),
         toc_digest="sha256:" + hashlib.sha256(toc_json).hexdigest(),
-        uncompressed_size=out.uncompressed, missing_prefetch=tuple(missing),
+        uncompressed_size=out.uncompressed, missing_prefetch=tuple(missing), toc_offset=toc_offset,
     )

@@ -87,6 +87,7 @@ from snapshotter.formats.jtoc import (
     load_toc_json,
     read_entries,
 )
+from snapshotter.formats.tail_hint import tail_size_annotation
 from snapshotter.formats.toc_fields import (
     DIGEST_RE,
     MAX_INT,
@@ -346,7 +347,8 @@ class ZstdChunkedResult:
     blob_digest/blob_size: of the bytes written to dst. diff_id: sha256 of the tar the blob
     decompresses to (uncompressed_size bytes). toc_digest: sha256 of the uncompressed TOC JSON
     (stargz-snapshotter's rule); manifest_checksum: sha256 of the compressed TOC.
-    annotations: for the layer descriptor (the same keys ctr-remote writes).
+    annotations: for the layer descriptor (the same keys ctr-remote writes, plus our tail-size
+    hint, `tail_hint.py`).
     """
 
     blob_digest: str
@@ -680,6 +682,7 @@ def write_zstdchunked(src: BinaryIO, dst: BinaryIO, *, chunk_size: int = 4 << 20
         UNCOMPRESSED_SIZE_KEY: str(frames.uncompressed),
         STARGZ_CHECKSUM_KEY: checksum,
         STARGZ_POSITION_KEY: f"{toc_offset}:{len(compressed)}:{len(toc_json)}:{MANIFEST_TYPE_CRFS}",
+        **tail_size_annotation(frames.offset, toc_offset),
     }
     return ZstdChunkedResult(
         blob_digest="sha256:" + frames.blob_hash.hexdigest(), blob_size=frames.offset,

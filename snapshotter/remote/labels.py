@@ -7,7 +7,7 @@ Two clients send them (both accepted, CRI first):
   containerd.io/snapshot/remote/stargz.{reference, digest, layers}
 Every client's unpacker adds `containerd.io/snapshot.ref` (the chain id the snapshot will be
 committed as) and copies the layer descriptor's `containerd.io/snapshot/*` annotations, such as
-the eStargz TOC digest and the Nydus blob/bootstrap markers.
+the eStargz TOC digest, the Nydus blob/bootstrap markers and our converter's tail-size hint.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from snapshotter.errors import InvalidArgument
+from snapshotter.formats.tail_hint import TAIL_SIZE_ANNOTATION, parse_tail_size
 
 TARGET_SNAPSHOT_REF = "containerd.io/snapshot.ref"
 REMOTE_LABEL = "containerd.io/snapshot/remote"
@@ -50,6 +51,7 @@ class LayerRef:
     nydus_blob: bool
     nydus_bootstrap: bool
     client: str  # "cri" or "stargz"
+    tail_size: int | None = None  # the tail-size hint (formats/tail_hint.py), when the layer has one
 
 
 def _digest(value: str, label: str) -> str:
@@ -93,4 +95,5 @@ def layer_ref_from_labels(labels: Mapping[str, str]) -> LayerRef | None:
         nydus_blob=labels.get(NYDUS_BLOB) == "true",
         nydus_bootstrap=labels.get(NYDUS_BOOTSTRAP) == "true",
         client=client,
+        tail_size=parse_tail_size(labels.get(TAIL_SIZE_ANNOTATION)),
     )

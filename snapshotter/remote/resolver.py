@@ -1,11 +1,13 @@
 """Resolve a layer lazily: from (image, layer digest) to its LayerIndex, with few round trips.
 
 Order of requests for one layer: GET the last TAIL_BYTES (a suffix range, whose answer also gives
-the blob's size; they hold the footer and, for most layers, the whole TOC), then GET the TOC range
-if the tail did not hold it. The footer decides the format: eStargz (51-byte footer), legacy
-stargz (47), zstd:chunked (either layout). Nydus layers are told apart by their labels: a data
-blob layer needs only its size, the bootstrap layer (small) is fetched whole. Anything else is
-`NotLazy`, and the caller falls back to a full pull of that layer.
+the blob's size; they hold the footer and, for small layers, the whole TOC), or as many as the
+layer's tail-size hint says (formats/tail_hint.py: our converter's annotation; at most
+max_toc_bytes + TAIL_BYTES), then GET the TOC range if the tail did not hold it. The footer
+decides the format: eStargz (51-byte footer), legacy stargz (47), zstd:chunked (either layout).
+Nydus layers are told apart by their labels: a data blob layer needs only its size, the
+bootstrap layer (small) is fetched whole. Anything else is `NotLazy`, and the caller falls back
+to a full pull of that layer.
 """
 
 from __future__ import annotations
@@ -118,6 +120,14 @@ async def _resolve_nydus(client: RegistryClient, ref: LayerRef, size: int, *,
     return ResolvedLayer(ref, "nydus", size, index, size, key)
 
 
+def tail_request_bytes(ref: LayerRef, max_toc_bytes: int) -> int:
+    """How many bytes the first (suffix) request asks for: TAIL_BYTES, or the layer's hinted
+    tail when larger, capped where a TOC that large would be refused anyway."""
+    if ref.tail_size is None:
+        return TAIL_BYTES
+    return max(TAIL_BYTES, min(ref.tail_size, max_toc_bytes + TAIL_BYTES))
+
+
 async def resolve_layer(client: RegistryClient, ref: LayerRef, *, max_toc_bytes: int,
                         max_bootstrap_bytes: int = 1 << 30, on_metadata: OnMetadata | None = None) -> ResolvedLayer:
     """Fetch and parse the layer's TOC (or Nydus bootstrap). Raises NotLazy, FormatError /
@@ -126,7 +136,7 @@ async def resolve_layer(client: RegistryClient, ref: LayerRef, *, max_toc_bytes:
         size = await client.blob_size(ref.image_ref, ref.layer_digest)
         return await _resolve_nydus(client, ref, size, max_bootstrap_bytes=max_bootstrap_bytes,
                                     on_metadata=on_metadata)
-    tail, size = await client.read_tail(ref.image_ref, ref.layer_digest, TAIL_BYTES)
+    tail, size = await client.read_tail(ref.image_ref, ref.layer_digest, tail_request_bytes(ref, max_toc_bytes))
     if size < estargz.LEGACY_FOOTER_SIZE:
         raise NotLazy(f"layer {ref.layer_digest} is only {size} bytes: no lazy-format footer")
     tail_start = size - len(tail)

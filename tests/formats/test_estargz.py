@@ -205,6 +205,7 @@ def test_big_blob_gunzips_to_the_source_tar(big_case: tuple[Path, Path, estargz.
     assert result.annotations() == {
         "containerd.io/snapshot/stargz/toc.digest": result.toc_digest,
         "io.containers.estargz.uncompressed-size": str(n),
+        "containerd.io/snapshot/lazy/tail.size": str(result.size - result.toc_offset),
     }
     assert corpus.tar_tree(plain, skip=lambda name: name == estargz.TOC_TAR_NAME) == corpus.tar_tree(src)
     with tarfile.open(plain) as tf:
