@@ -59,7 +59,9 @@ class PrefetchConfig:
         "doc": "seconds without filesystem requests (any kind) before the background fetch starts or resumes"})
     startup_files: bool = field(default=True, metadata={
         "doc": "when an image's mount starts, also prefetch the files nearly every container start reads: "
-               "/etc/passwd and /etc/group (runc), the dynamic loader, /etc/ld.so.cache and libc.so.6"})
+               "/etc/passwd and /etc/group (runc), the dynamic loader, /etc/ld.so.cache and libc.so.6; unlike a "
+               "prefetch list's, the container's start does not wait for them (its reads wait for the fetch in "
+               "flight)"})
 
 
 @dataclass(frozen=True)

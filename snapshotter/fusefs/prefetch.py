@@ -15,9 +15,12 @@ Landmark prefetch (per layer, all layers at once, as soon as the mount is up):
 - a foreground read of a chunk being prefetched waits for that fetch (the reader's single
   flight), so start-up reads of prefetched files are served from it, never fetched twice.
 Readiness: the mount serves reads as soon as it is mounted; the process writes its ready file
-when every layer's prefetch has finished or `prefetch_timeout` has passed, whichever is first
-(prefetch goes on after the timeout). The daemon waits for the ready file, so container start
-waits for prefetch at most `prefetch_timeout`.
+when the prefetch of every layer with a prefetch list (landmark, prefetch table) has finished or
+`prefetch_timeout` has passed, whichever is first (prefetch goes on after the timeout). The
+daemon waits for the ready file, so container start waits for prefetch at most
+`prefetch_timeout`. Start-up files alone are not waited for: they are in flight by then, and the
+container's runtime needs longer to start than their fetch takes (at +50 ms per round trip,
+waiting cost every cold start one round trip); a read of one waits for its fetch.
 
 Background fetch (`[prefetch] background`, after every layer's prefetch has finished):
 - one task per mount fetches the chunks of every layer that are not cached yet, lowest layer
@@ -221,7 +224,9 @@ class Prefetcher:
 
     `readers[i]` serves `tree.layers[i]`; `names[i]` is its layer digest (status key).
     Start `run()` in a nursery once the filesystem is mounted; `prefetched` is set when every
-    layer's landmark prefetch has ended (done, failed or skipped).
+    layer's prefetch (its list and its start-up files) has ended (done, failed or skipped),
+    `listed_prefetched` when that of every layer with a prefetch list has (at once when none has
+    one): what readiness waits for.
     """
 
     def __init__(self, tree: MountTree, readers: Sequence[LayerReader], names: Sequence[str],
@@ -233,6 +238,7 @@ class Prefetcher:
         self.settings = settings
         self.gate = ForegroundGate()
         self.prefetched = trio.Event()
+        self.listed_prefetched = trio.Event()
         self.layers: list[PrefetchStatus] = []
         self.status: dict[str, dict[str, Any]] = {}
         self._keys: list[str] = []
@@ -244,7 +250,14 @@ class Prefetcher:
             key = f"{i}:{name}" if name else str(i)
             self._keys.append(key)
             self.layers.append(PrefetchStatus(layer=name, format=index.format, landmark=_landmark_name(index)))
+        self._listed_pending = {i for i in range(len(tree.layers)) if self._has_list(i) and not self._skip_reason(i)}
+        if not self._listed_pending:
+            self.listed_prefetched.set()
         self._publish()
+
+    def _has_list(self, i: int) -> bool:
+        index = self.tree.layers[i]
+        return bool(index.prefetch) and index.landmark is not Landmark.NO_PREFETCH
 
     def tracked(self, readers: Sequence[LayerReader]) -> list[LayerReader]:
         """The readers to give the filesystem: on-demand reads through them pause the background."""
@@ -261,6 +274,7 @@ class Prefetcher:
             "prefetch_requests": sum(s.prefetch_requests for s in self.layers),
             "prefetch_layers": sum(s.prefetch == "done" for s in self.layers),
             "prefetch_done": self.prefetched.is_set(),
+            "listed_prefetch_done": self.listed_prefetched.is_set(),
         }
 
     def stats_hook(self) -> dict[str, Any]:
@@ -291,6 +305,7 @@ class Prefetcher:
                     nursery.start_soon(self._prefetch_layer, i)
         finally:
             self.prefetched.set()
+            self.listed_prefetched.set()
             self._publish()
         await self._background()
 
@@ -322,6 +337,9 @@ class Prefetcher:
             st.prefetch_seconds = round(time.monotonic() - began, 6)
             if tally is not None:
                 st.prefetch_bytes, st.prefetch_requests = tally.fetched_bytes, tally.requests
+            self._listed_pending.discard(i)
+            if not self._listed_pending:
+                self.listed_prefetched.set()
             self._publish()
         log.info("event=prefetch layer=%s status=%s files=%d startup_files=%d chunks=%d bytes=%d requests=%d "
                  "seconds=%.3f%s", st.layer, st.prefetch, files, len(startup), len(chunks), st.prefetch_bytes,

@@ -233,8 +233,9 @@ async def _watch_signals(state: MountState, recorder: ReadRecorder, stop: trio.C
 
 
 async def _ready_after_prefetch(state: MountState, tree: MountTree, prefetcher: Prefetcher) -> None:
-    """Write the ready file once every layer's landmark prefetch ended or prefetch_timeout
-    passed, whichever is first (the mount serves reads meanwhile; prefetch goes on after)."""
+    """Write the ready file once the prefetch of every layer with a prefetch list ended or
+    prefetch_timeout passed, whichever is first (the mount serves reads meanwhile; prefetch,
+    start-up files included, goes on after)."""
     # The kernel sets the mount's read-ahead when it gets our INIT reply (sent by pyfuse3.main);
     # a stat answered through the mount shows that has happened.
     with trio.move_on_after(5):
@@ -243,15 +244,15 @@ async def _ready_after_prefetch(state: MountState, tree: MountTree, prefetcher: 
     timeout = prefetcher.settings.prefetch_timeout
     began = trio.current_time()
     with trio.move_on_after(timeout):
-        await prefetcher.prefetched.wait()
+        await prefetcher.listed_prefetched.wait()
     summary = prefetcher.summary()
     log.info("event=ready prefetch=%s waited=%.3f timeout=%.1f prefetch_bytes=%d prefetch_requests=%d",
-             "done" if summary["prefetch_done"] else "timeout", trio.current_time() - began, timeout,
+             "done" if summary["listed_prefetch_done"] else "timeout", trio.current_time() - began, timeout,
              summary["prefetch_bytes"], summary["prefetch_requests"])
     if state.ready_file:
         _write_atomic(state.ready_file, json.dumps({
             "pid": os.getpid(), "mountpoint": state.mountpoint, "inodes": len(tree),
-            "file_bytes": tree.file_bytes, "prefetch": "done" if summary["prefetch_done"] else "timeout",
+            "file_bytes": tree.file_bytes, "prefetch": "done" if summary["listed_prefetch_done"] else "timeout",
         }).encode())
 
 

@@ -422,3 +422,44 @@ def test_startup_files_off_leaves_a_no_prefetch_layer_alone(tmp_path: Path) -> N
     st = p.status["0:sha256:layer"]
     assert st["prefetch"] == "skipped" and st["prefetch_reason"] == "no_prefetch_landmark"
     assert PrefetchSettings.from_doc({"config": {"prefetch": {"startup_files": False}}}).startup_files is False
+
+
+def test_ready_does_not_wait_for_start_up_files_but_their_reads_join_the_fetch(tmp_path: Path) -> None:
+    from snapshotter.fusefs.process import _ready_after_prefetch
+
+    blob, index, files = _startup_layer(tmp_path)
+    ready = tmp_path / "ready"
+
+    class SlowSource(CountingSource):
+        async def read_range(self, blob: int, offset: int, length: int) -> bytes:
+            await trio.sleep(0.5)
+            return await super().read_range(blob, offset, length)
+
+    async def main() -> tuple[float, bool, int, int, bytes]:
+        source = SlowSource(FileRangeSource([blob]))
+        cache = ChunkCache(tmp_path / "cache", 64 << 20)
+        state = parse_state(json.dumps({"mountpoint": str(tmp_path), "ready_file": str(ready),
+                                        "runs": [[{"index": "i", "reader": {"kind": "file"}}]]}).encode())
+        async with open_layer_reader(source, blobs=list(index.blobs), cache=cache) as reader:
+            tree = build_tree([[index]])
+            p = Prefetcher(tree, [reader], ["sha256:layer"], PrefetchSettings(prefetch_timeout=5, background=False))
+            start = trio.current_time()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(p.run)
+                with trio.fail_after(5):
+                    await _ready_after_prefetch(state, tree, p)
+                written = trio.current_time() - start
+                still_fetching = not p.prefetched.is_set()
+                (tracked,) = p.tracked([reader])
+                libc = index["lib/x86_64-linux-gnu/libc.so.6"]
+                with trio.fail_after(5):
+                    data = await tracked.read(libc, 0, libc.size)  # waits for the prefetch's fetch
+                    await p.prefetched.wait()
+                at_prefetch_end = len(source.calls)
+            return written, still_fetching, at_prefetch_end, len(source.calls), data
+
+    written, still_fetching, at_prefetch_end, calls, data = trio.run(main)
+    assert json.loads(ready.read_text())["prefetch"] == "done"
+    assert written < 0.4 and still_fetching, "the ready file came before the start-up files' fetch ended"
+    assert data == files["lib/x86_64-linux-gnu/libc.so.6"]
+    assert 1 <= calls <= 2 and calls == at_prefetch_end, "the read was served by the prefetch's requests"
