@@ -39,6 +39,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -564,6 +565,17 @@ disabled_plugins = [
         """Run `ctr --address SOCK -n NS ARGS...`; on check and non-zero exit raise LabError."""
         argv = ["ctr", "--address", str(self.containerd_socket), "-n", namespace or self.namespace, *args]
         return self.run(argv, timeout=timeout, check=check, input=input)
+
+    def collect_garbage(self, namespace: str | None = None) -> None:
+        """Run a containerd garbage collection pass now and return once it is done, the
+        snapshotters' cleanup included (deleting a lease with --sync). containerd's metadata
+        layer forgets a deleted snapshot at once and calls the backend's Remove only from a later
+        pass; a deletion that lands while a pass is running schedules none (containerd 1.6
+        gc/scheduler drops events older than the pass's end), so without this the Remove can
+        wait for some other deletion."""
+        lease = f"gc-now-{uuid.uuid4().hex[:12]}"
+        self.ctr("leases", "create", "--id", lease, namespace=namespace)
+        self.ctr("leases", "delete", "--sync", lease, namespace=namespace)
 
     def ctr_run(
         self,

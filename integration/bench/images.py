@@ -187,8 +187,10 @@ class ImageCache:
         part.rename(cached)
         return data
 
-    def has(self, image: str, tag: str) -> bool:
-        return (self.dir(image) / f"done-{tag}").exists()
+    def has(self, image: str, tag: str, marker: str | None = None) -> bool:
+        """Whether variant `tag` is complete; with `marker`, only if its done file holds that text."""
+        done = self.dir(image) / f"done-{tag}"
+        return done.exists() and (marker is None or done.read_text() == marker)
 
     def convert_ours(self, image: str, fmt: str, prefetch_list: Path | None = None) -> str:
         """Convert the gzip image with `snapshotter convert`; returns the tag (`fmt`, or with a
@@ -199,8 +201,7 @@ class ImageCache:
         else:
             tag = f"{fmt}-prefetch" if fmt == "nydus" else f"{fmt}-landmark"
         oci = self.layout(image)
-        marker = self.dir(image) / f"done-{tag}"
-        if marker.exists() and marker.read_text() == OURS_DONE:
+        if self.has(image, tag, OURS_DONE):
             return tag
         snapshotter = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "snapshotter"
         argv = [str(snapshotter), "convert", "--format", OURS_FORMATS.get(fmt, fmt)]
@@ -211,7 +212,7 @@ class ImageCache:
         r = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
         if r.returncode != 0:
             raise BuildError(f"convert {image} to {fmt} failed: {r.stderr[-3000:]}")
-        marker.write_text(OURS_DONE)
+        (self.dir(image) / f"done-{tag}").write_text(OURS_DONE)
         return tag
 
     def store_from_registry(self, image: str, tag: str, ref: str, run: Callable[[list[str]], object]) -> None:

@@ -194,6 +194,11 @@ def _landmark_name(index: LayerIndex) -> str:
     return index.landmark.value
 
 
+def listed_prefetch(index: LayerIndex) -> Sequence[str]:
+    """The layer's prefetch list (landmark or prefetch table), empty under a `.no.prefetch.landmark`."""
+    return () if index.landmark is Landmark.NO_PREFETCH else index.prefetch
+
+
 def prefetch_chunks(index: LayerIndex, unit_bytes: int = UNIT_BYTES,
                     extra: Sequence[Entry] = ()) -> tuple[int, list[Chunk]]:
     """(number of files, their read units) of the index's prefetch files in list order (none under
@@ -202,8 +207,7 @@ def prefetch_chunks(index: LayerIndex, unit_bytes: int = UNIT_BYTES,
     files = 0
     chunks: list[Chunk] = []
     taken: set[int] = set()
-    names = () if index.landmark is Landmark.NO_PREFETCH else index.prefetch
-    for entry in (*(index.get(name) for name in names), *extra):
+    for entry in (*(index.get(name) for name in listed_prefetch(index)), *extra):
         if entry is None or entry.type is not EntryType.REG or id(entry) in taken:
             continue
         taken.add(id(entry))
@@ -250,14 +254,11 @@ class Prefetcher:
             key = f"{i}:{name}" if name else str(i)
             self._keys.append(key)
             self.layers.append(PrefetchStatus(layer=name, format=index.format, landmark=_landmark_name(index)))
-        self._listed_pending = {i for i in range(len(tree.layers)) if self._has_list(i) and not self._skip_reason(i)}
+        self._listed_pending = {i for i, index in enumerate(tree.layers)
+                                if listed_prefetch(index) and not self._skip_reason(i)}
         if not self._listed_pending:
             self.listed_prefetched.set()
         self._publish()
-
-    def _has_list(self, i: int) -> bool:
-        index = self.tree.layers[i]
-        return bool(index.prefetch) and index.landmark is not Landmark.NO_PREFETCH
 
     def tracked(self, readers: Sequence[LayerReader]) -> list[LayerReader]:
         """The readers to give the filesystem: on-demand reads through them pause the background."""

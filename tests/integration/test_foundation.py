@@ -317,12 +317,10 @@ def wait_backend_removed(
     containerd's metadata layer drops a snapshot from its own db at once and calls the backend's
     Remove later, from the GC; the debug log line is the only outside sign that Remove succeeded.
     A removal that lands while a GC pass is already walking the backend can be left for the next
-    pass (containerd 1.6 schedules none for it), so every few seconds we cause one: preparing and
-    removing a throwaway snapshot is a deletion, which schedules a GC.
+    pass (containerd 1.6 schedules none for it), so every few seconds we run one (`Lab.collect_garbage`).
     """
     log = lab.logs_dir / "containerd.log"
     ns = namespace or lab.namespace
-    snap = Snap(lab, snapshotter_name, namespace=ns)
 
     def removed() -> set[str]:
         done = set()
@@ -338,9 +336,7 @@ def wait_backend_removed(
         with contextlib.suppress(LabError):
             wait_until("a GC pass", lambda: set(names) <= removed(), timeout=min(5.0, timeout))
         if not set(names) <= removed():
-            kick = f"gc-kick-{uuid.uuid4().hex[:6]}"
-            snap("prepare", kick)
-            snap("rm", kick)
+            lab.collect_garbage(ns)
     if not set(names) <= removed():
         gc_lines = [
             line

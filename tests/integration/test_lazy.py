@@ -337,18 +337,6 @@ def _fuse_mounts_under(root: Path) -> list[str]:
     return found
 
 
-def _collect_garbage_now(lab: Lab, namespace: str) -> None:
-    """Make containerd remove deleted containers' snapshots from our backend now. Its metadata
-    layer forgets a snapshot at once and calls the backend's Remove from a later garbage
-    collection pass; a deletion that lands while a pass is running schedules none (containerd
-    1.6 gc/scheduler drops events older than the pass's end), so the Remove could wait for some
-    other deletion. Deleting a lease with --sync runs a pass and returns once the snapshotters'
-    cleanup in it is done."""
-    lease = f"gc-now-{time.monotonic_ns()}"
-    lab.ctr("leases", "create", "--id", lease, namespace=namespace)
-    lab.ctr("leases", "delete", "--sync", lease, namespace=namespace)
-
-
 def _spare_pids(mounts_dir: Path) -> list[int]:
     """Waiting spare mount processes of this lab's daemon (started in ROOT/mounts, `--spare`)."""
     return [pid for pid, argv, cwd in mount_processes() if b"--spare" in argv and cwd == str(mounts_dir)]
@@ -469,7 +457,7 @@ def test_mount_process_stops_with_the_last_container(lab: Lab, pushed: Pushed) -
             time.sleep(0.1)
         lab.ctr("tasks", "delete", "keeper", namespace="unmount", check=False)
         lab.ctr("containers", "delete", "keeper", namespace="unmount", check=False)
-    _collect_garbage_now(lab, "unmount")
+    lab.collect_garbage("unmount")  # containerd removes the snapshot from our backend in a GC pass
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and [m for m in _fuse_mounts_under(lab.snapshotter_root) if m in mounts]:
         time.sleep(0.2)
