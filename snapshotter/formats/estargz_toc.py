@@ -28,12 +28,11 @@ from __future__ import annotations
 import bisect
 import hashlib
 import zlib
-from typing import Any
 
 from snapshotter.errors import DigestMismatch, FormatError, LimitExceeded
 from snapshotter.formats.estargz_footer import FOOTER_SIZE, MIN_GZIP_MEMBER
 from snapshotter.formats.index import Chunk, Compression, LayerIndex
-from snapshotter.formats.jtoc import ESTARGZ, PendingEntry, build_entries, json_text, load_toc_json, read_entries
+from snapshotter.formats.jtoc import ESTARGZ, PendingEntry, RawEntry, build_entries, decode_toc, read_entries
 from snapshotter.gcpause import gc_paused
 
 TOC_TAR_NAME = "stargz.index.json"
@@ -164,16 +163,13 @@ def parse_toc(toc_member: bytes, *, blob_size: int, layer_digest: str, max_toc_b
         raise DigestMismatch(f"{what}: TOC digest is {toc_digest}, the layer's annotation says "
                              f"{expected_toc_digest}")
     with gc_paused():
-        # The JSON is as big as the index: hold one copy of it at a time (bytes, then text), never
-        # while the objects are built.
-        text = json_text(data, what)
-        del data
-        raws = load_toc_json(text, what).get("entries") or []
-        del text
+        raws = decode_toc(data, what).entries
+        del data  # as big as the index: never held while the entries are built
         return _build(raws, what, layer_digest, toc_offset, toc_digest)
 
 
-def _build(raws: list[Any], what: str, layer_digest: str, toc_offset: int, toc_digest: str) -> LayerIndex:
+def _build(raws: list[RawEntry | None], what: str, layer_digest: str, toc_offset: int,
+           toc_digest: str) -> LayerIndex:
     toc = read_entries(raws, what, ESTARGZ)
     entries, landmark, prefetch = build_entries(
         toc, lambda p, offs: _finish_chunks(p, offs, toc_offset, what), what)

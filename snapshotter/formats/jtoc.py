@@ -1,5 +1,5 @@
 """The entries list of a JTOC (the eStargz TOC JSON, which zstd:chunked reuses) into `Entry`s.
-Pure: JSON objects in, entries out.
+Pure: JSON bytes in (`decode_toc`), entries out (`read_entries`, then `build_entries`).
 
 Both formats list entries in layer order: a regular file's first chunk rides on its "reg" entry,
 each further chunk is a following "chunk" entry. What differs is how a chunk's compressed range
@@ -17,11 +17,14 @@ else is one set of rules here:
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
+
+import msgspec
 
 from snapshotter.errors import FormatError
 from snapshotter.formats.index import (
@@ -38,12 +41,12 @@ from snapshotter.formats.index import (
 from snapshotter.formats.toc_fields import (
     DIGEST_RE,
     MAX_INT,
-    digest_field,
-    int_field,
-    mtime_ns_field,
+    digest_value,
+    int_value,
+    mtime_ns_value,
     rfc3339_ns,
-    str_field,
-    xattrs_field,
+    str_value,
+    xattrs_value,
 )
 
 MAX_ID = (1 << 32) - 1
@@ -117,6 +120,104 @@ def load_toc_json(text: str, what: str) -> dict[str, Any]:
     return doc
 
 
+_Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT)]
+_Id = Annotated[int, msgspec.Meta(ge=0, le=MAX_ID)]
+
+
+class RawEntry(msgspec.Struct, gc=False):
+    """One TOC entry's fields as the JSON gives them; an absent field has the default
+    (`endOffset`: UNSET, so that its presence shows). From `decode_toc`'s typed decoder every
+    value has its annotated type and range; from its fallback a value is whatever json.loads
+    made of it, and `read_entries` checks each field it uses either way."""
+
+    name: str = ""
+    type: str = ""
+    size: _Count = 0
+    modtime: str = ""
+    linkName: str = ""
+    mode: _Count = 0
+    uid: _Id = 0
+    gid: _Id = 0
+    devMajor: _Id = 0
+    devMinor: _Id = 0
+    xattrs: dict[str, str] | None = None
+    digest: str | None = None
+    offset: _Count = 0
+    innerOffset: _Count = 0
+    chunkOffset: _Count = 0
+    chunkSize: _Count = 0
+    chunkDigest: str | None = None
+    chunkType: str = ""
+    endOffset: _Count | msgspec.UnsetType = msgspec.UNSET
+
+
+_RAW_FIELDS = frozenset(RawEntry.__struct_fields__)
+
+
+class _TypedToc(msgspec.Struct):
+    version: Literal[1]
+    entries: list[RawEntry] = []
+    tarSplitDigest: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+
+
+_TYPED_TOC = msgspec.json.Decoder(_TypedToc)
+
+
+@dataclass
+class TocDocument:
+    """`decode_toc`'s result: the entries in TOC order (None for an item that is not a JSON
+    object), and whether the document has a "tarSplitDigest" (zstd:chunked's layout guess)."""
+
+    entries: list[RawEntry | None]
+    has_tar_split: bool
+
+
+def _is_utf8(data: bytes) -> bool:
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        for lo in range(0, len(data), _PIECE):  # piecewise: never one str of the whole TOC
+            decoder.decode(data[lo:lo + _PIECE])
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def decode_toc(data: bytes, what: str) -> TocDocument:
+    """The TOC document (UTF-8 JSON bytes), as `decode_toc_loose` reads it and failing as it does.
+
+    Most TOCs go through a typed decoder that checks each entry's field types and ranges as it
+    builds them (several times faster than json.loads and then checking dicts). What it refuses
+    (null fields, wrong types, values out of range, lone surrogates, malformed JSON, ...) is read
+    again by `decode_toc_loose`, the reference, whose result or error is the answer: the typed
+    decoder only ever answers alone for documents that both read alike."""
+    typed = typed_toc(data)
+    return typed if typed is not None else decode_toc_loose(data, what)
+
+
+def typed_toc(data: bytes) -> TocDocument | None:
+    """The document by the typed decoder, or None where it refuses the document. It does not
+    check the UTF-8 of what it skips (unknown keys), so that is checked first."""
+    if not (data.isascii() or _is_utf8(data)):
+        return None
+    try:
+        doc = _TYPED_TOC.decode(data)
+    except (msgspec.DecodeError, RecursionError):  # msgspec.ValidationError is a DecodeError
+        return None
+    entries: list[RawEntry | None] = doc.entries  # type: ignore[assignment]  # list is invariant
+    return TocDocument(entries, doc.tarSplitDigest is not msgspec.UNSET)
+
+
+def decode_toc_loose(data: bytes, what: str) -> TocDocument:
+    """The document by json.loads (`load_toc_json`'s rules and errors); each entry's known
+    fields are kept as json.loads made them (None for an item that is not an object)."""
+    doc = load_toc_json(json_text(data, what), what)
+    raws = doc.get("entries") or []
+    for i, raw in enumerate(raws):  # in place: the dicts are freed as they are read
+        raws[i] = RawEntry(**{k: v for k, v in raw.items() if k in _RAW_FIELDS}) if isinstance(raw, dict) else None
+    return TocDocument(raws, "tarSplitDigest" in doc)
+
+
 @dataclass(slots=True)
 class RawChunk:
     """A chunk as the TOC gives it, before its compressed range is known."""
@@ -184,20 +285,18 @@ class _At:
             f"{self.what}, entry {self.where}"
 
 
-def _plain_str(raw: Mapping[str, Any], key: str, what: object) -> str:
-    """str_field, with the usual case (a string without NUL) checked inline."""
-    v = raw.get(key, "")
+def _plain_str(v: Any, key: str, what: object) -> str:
+    """str_value, with the usual case (a string without NUL) checked inline."""
     if type(v) is str and "\x00" not in v:
         return v
-    return str_field(raw, key, what)
+    return str_value(v, key, what)
 
 
-def _digest(raw: Mapping[str, Any], key: str, what: object) -> str | None:
-    """digest_field, with a well-formed digest checked inline."""
-    v = raw.get(key)
+def _digest(v: Any, key: str, what: object) -> str | None:
+    """digest_value, with a well-formed digest checked inline."""
     if type(v) is str and DIGEST_RE.fullmatch(v) is not None:
         return v
-    return digest_field(raw, key, what)
+    return digest_value(v, key, what)
 
 
 def _name(raw: str) -> str:
@@ -208,32 +307,30 @@ def _name(raw: str) -> str:
     return normalize_name(raw)
 
 
-def _chunk(raw: Mapping[str, Any], what: object, dialect: JtocDialect) -> RawChunk:
-    get = raw.get
+def _chunk(raw: RawEntry, what: object, dialect: JtocDialect) -> RawChunk:
     zeros = False
     if dialect.chunk_types:
-        ctype = str_field(raw, "chunkType", what)
+        ctype = str_value(raw.chunkType, "chunkType", what)
         if ctype not in ("", "zeros"):
             raise FormatError(f"{what}: unknown chunkType {ctype!r}")
         zeros = ctype == "zeros"
-    file_offset, size, offset, inner = get("chunkOffset", 0), get("chunkSize", 0), get("offset", 0), \
-        get("innerOffset", 0)
+    file_offset, size, offset, inner = raw.chunkOffset, raw.chunkSize, raw.offset, raw.innerOffset
     if type(file_offset) is int and type(size) is int and type(offset) is int and type(inner) is int \
             and 0 <= file_offset <= MAX_INT and 0 <= size <= MAX_INT and 0 <= offset <= MAX_INT \
             and 0 <= inner <= MAX_INT:  # the usual case, checked inline (a big TOC has 100k of these)
-        return RawChunk(file_offset, size, offset, inner, _digest(raw, "chunkDigest", what), zeros)
+        return RawChunk(file_offset, size, offset, inner, _digest(raw.chunkDigest, "chunkDigest", what), zeros)
     return RawChunk(
-        file_offset=int_field(raw, "chunkOffset", what),
-        size=int_field(raw, "chunkSize", what),
-        blob_offset=int_field(raw, "offset", what),
-        inner_offset=int_field(raw, "innerOffset", what),
-        digest=digest_field(raw, "chunkDigest", what),
+        file_offset=int_value(file_offset, "chunkOffset", what),
+        size=int_value(size, "chunkSize", what),
+        blob_offset=int_value(offset, "offset", what),
+        inner_offset=int_value(inner, "innerOffset", what),
+        digest=digest_value(raw.chunkDigest, "chunkDigest", what),
         zeros=zeros,
     )
 
 
-def _pending(raw: Mapping[str, Any], type_: EntryType, name: str, what: object) -> PendingEntry:
-    link = _plain_str(raw, "linkName", what)
+def _pending(raw: RawEntry, type_: EntryType, name: str, what: object) -> PendingEntry:
+    link = _plain_str(raw.linkName, "linkName", what)
     if type_ is EntryType.HARDLINK:
         link = normalize_name(link, allow_root=False)
     elif type_ is EntryType.SYMLINK:
@@ -243,28 +340,27 @@ def _pending(raw: Mapping[str, Any], type_: EntryType, name: str, what: object) 
         link = ""
     size = 0
     if type_ is EntryType.REG:
-        size = raw.get("size", 0)
+        size = raw.size
         if type(size) is not int or not 0 <= size <= MAX_INT:
-            size = int_field(raw, "size", what)
+            size = int_value(size, "size", what)
     dev = type_ in (EntryType.CHAR, EntryType.BLOCK)
-    get = raw.get
-    mode, uid, gid = get("mode", 0), get("uid", 0), get("gid", 0)
+    mode, uid, gid = raw.mode, raw.uid, raw.gid
     if not (type(mode) is int and type(uid) is int and type(gid) is int and 0 <= mode <= MAX_INT
             and 0 <= uid <= MAX_ID and 0 <= gid <= MAX_ID):  # else the field readers say what is wrong
-        mode, uid, gid = int_field(raw, "mode", what), int_field(raw, "uid", what, hi=MAX_ID), \
-            int_field(raw, "gid", what, hi=MAX_ID)
-    modtime = raw.get("modtime")
+        mode, uid, gid = int_value(mode, "mode", what), int_value(uid, "uid", what, hi=MAX_ID), \
+            int_value(gid, "gid", what, hi=MAX_ID)
+    modtime = raw.modtime
     try:
         mtime_ns = rfc3339_ns(modtime) if type(modtime) is str and modtime and "\x00" not in modtime \
-            else mtime_ns_field(raw, what)
+            else mtime_ns_value(modtime, what)
     except ValueError:
-        mtime_ns = mtime_ns_field(raw, what)  # raises, naming the entry
+        mtime_ns = mtime_ns_value(modtime, what)  # raises, naming the entry
     return PendingEntry(
         name, type_, mode & 0o7777, uid, gid, mtime_ns, size, link,
-        int_field(raw, "devMajor", what, hi=MAX_ID) if dev else 0,
-        int_field(raw, "devMinor", what, hi=MAX_ID) if dev else 0,
-        NO_XATTRS if raw.get("xattrs") is None else xattrs_field(raw, what),
-        _digest(raw, "digest", what) if type_ is EntryType.REG else None,
+        int_value(raw.devMajor, "devMajor", what, hi=MAX_ID) if dev else 0,
+        int_value(raw.devMinor, "devMinor", what, hi=MAX_ID) if dev else 0,
+        NO_XATTRS if raw.xattrs is None else xattrs_value(raw.xattrs, what),
+        _digest(raw.digest, "digest", what) if type_ is EntryType.REG else None,
     )
 
 
@@ -278,9 +374,9 @@ class TocEntries:
     offsets: list[int]
 
 
-def read_entries(raws: list[Any], what: str, dialect: JtocDialect) -> TocEntries:
-    """The TOC's entries with their raw chunks. Empties `raws` as it goes: each JSON object is
-    freed once read, so the peak memory is not the JSON objects plus the entries."""
+def read_entries(raws: list[RawEntry | None], what: str, dialect: JtocDialect) -> TocEntries:
+    """The TOC's entries (`decode_toc`) with their raw chunks. Empties `raws` as it goes: each
+    entry's fields are freed once read, so the peak memory is not the fields plus the entries."""
     pending: list[PendingEntry] = []
     by_name: dict[str, PendingEntry] = {}
     offsets: set[int] = set()
@@ -288,13 +384,13 @@ def read_entries(raws: list[Any], what: str, dialect: JtocDialect) -> TocEntries
     for i in range(len(raws)):
         raw, raws[i] = raws[i], None
         ewhat: object = _At(what, i)
-        if not isinstance(raw, dict):
+        if raw is None:
             raise FormatError(f"{ewhat}: not an object")
-        kind = _plain_str(raw, "type", ewhat)
+        kind = _plain_str(raw.type, "type", ewhat)
         if kind == "chunk":
             if last_reg is None or last_reg.size == 0:
                 raise FormatError(f"{ewhat}: chunk entry does not follow a non-empty regular file")
-            cname = _plain_str(raw, "name", ewhat)
+            cname = _plain_str(raw.name, "name", ewhat)
             if cname and normalize_name(cname) != last_reg.name:
                 raise FormatError(f"{ewhat}: chunk of {cname!r} follows file {last_reg.name!r}")
             rc = _chunk(raw, ewhat, dialect)
@@ -304,7 +400,7 @@ def read_entries(raws: list[Any], what: str, dialect: JtocDialect) -> TocEntries
         type_ = TYPES.get(kind)
         if type_ is None:
             raise FormatError(f"{ewhat}: unknown entry type {kind!r}")
-        name = _name(_plain_str(raw, "name", ewhat))
+        name = _name(_plain_str(raw.name, "name", ewhat))
         ewhat = _At(what, name)
         if name in by_name:
             raise FormatError(f"{ewhat}: listed twice")
@@ -323,10 +419,11 @@ def read_entries(raws: list[Any], what: str, dialect: JtocDialect) -> TocEntries
                 p.chunks.append(rc)
                 offsets.add(rc.blob_offset)
                 if dialect.end_offsets:
-                    p.end_offset = int_field(raw, "endOffset", ewhat)
+                    end = raw.endOffset
+                    p.end_offset = int_value(None if end is msgspec.UNSET else end, "endOffset", ewhat)
                     if p.end_offset:
                         offsets.add(p.end_offset)
-            elif raw.get("chunkSize") or raw.get("innerOffset"):
+            elif raw.chunkSize or raw.innerOffset:
                 raise FormatError(f"{ewhat}: empty file with chunk fields")
     return TocEntries(pending, by_name, sorted(offsets))
 

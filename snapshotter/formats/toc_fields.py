@@ -1,6 +1,7 @@
 """Typed field readers for JSON TOC entries (eStargz's JTOC, and zstd:chunked's, which extends it).
-Pure. Each raises FormatError naming `what` (the layer and entry, as anything that formats to
-that text) and the field.
+Pure. Each takes a field's value as JSON gave it (None when absent or null) and raises
+FormatError naming `what` (the layer and entry, as anything that formats to that text) and the
+field `key`.
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ _TIME_RE = re.compile(
 )
 
 
-def int_field(raw: Mapping[str, Any], key: str, what: object, *, hi: int = MAX_INT) -> int:
+def int_value(v: Any, key: str, what: object, *, hi: int = MAX_INT) -> int:
     """A non-negative integer field (absent or null: 0) no larger than `hi`."""
-    v = raw.get(key, 0)
     if v is None:
         return 0
     if type(v) is not int or not 0 <= v <= hi:
@@ -34,9 +34,8 @@ def int_field(raw: Mapping[str, Any], key: str, what: object, *, hi: int = MAX_I
     return v
 
 
-def str_field(raw: Mapping[str, Any], key: str, what: object) -> str:
+def str_value(v: Any, key: str, what: object) -> str:
     """A string field without NUL bytes (absent or null: "")."""
-    v = raw.get(key, "")
     if v is None:
         return ""
     if not isinstance(v, str):
@@ -46,9 +45,9 @@ def str_field(raw: Mapping[str, Any], key: str, what: object) -> str:
     return v
 
 
-def digest_field(raw: Mapping[str, Any], key: str, what: object) -> str | None:
+def digest_value(v: Any, key: str, what: object) -> str | None:
     """A "sha256:<64 lowercase hex>" field, or None when absent/empty."""
-    v = str_field(raw, key, what)
+    v = str_value(v, key, what)
     if not v:
         return None
     if not DIGEST_RE.fullmatch(v):
@@ -75,10 +74,10 @@ def rfc3339_ns(text: str) -> int:
     return secs * 1_000_000_000 + frac
 
 
-def mtime_ns_field(raw: Mapping[str, Any], what: object) -> int:
+def mtime_ns_value(v: Any, what: object) -> int:
     """"modtime" as RFC 3339 (eStargz: whole seconds; containers/storage: RFC3339Nano) -> ns since
     the epoch; absent: 0."""
-    text = str_field(raw, "modtime", what)
+    text = str_value(v, "modtime", what)
     if not text:
         return 0
     try:
@@ -87,9 +86,8 @@ def mtime_ns_field(raw: Mapping[str, Any], what: object) -> int:
         raise FormatError(f"{what}: modtime {text!r} {exc}") from None
 
 
-def xattrs_field(raw: Mapping[str, Any], what: object) -> Mapping[str, bytes]:
+def xattrs_value(v: Any, what: object) -> Mapping[str, bytes]:
     """"xattrs": name -> base64 value (Go's []byte in JSON)."""
-    v = raw.get("xattrs")
     if v is None or v == {}:
         return NO_XATTRS
     if not isinstance(v, dict):

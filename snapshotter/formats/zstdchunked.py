@@ -67,6 +67,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, BinaryIO
 
+import msgspec
 import zstandard
 
 from snapshotter.errors import DigestMismatch, FormatError, LimitExceeded
@@ -83,8 +84,7 @@ from snapshotter.formats.jtoc import (
     ZSTD_CHUNKED,
     PendingEntry,
     build_entries,
-    json_text,
-    load_toc_json,
+    decode_toc,
     read_entries,
 )
 from snapshotter.formats.tail_hint import tail_size_annotation
@@ -316,13 +316,13 @@ def parse_manifest(compressed: bytes, *, blob_size: int, layer_digest: str, max_
     if position is not None and len(data) != position.uncompressed_size:
         raise FormatError(f"{what}: decompresses to {len(data)} bytes, position says {position.uncompressed_size}")
     with gc_paused():  # about ten objects per entry and no cycles
-        doc = load_toc_json(json_text(data, what), what)
-        raws = doc.get("entries") or []
+        doc = decode_toc(data, what)
+        raws = doc.entries
         if position is not None:
             layout = position.layout
             data_end = position.offset - SKIPPABLE_HEADER
         else:
-            guessed = "tarSplitDigest" in doc or any(isinstance(r, dict) and "endOffset" in r for r in raws)
+            guessed = doc.has_tar_split or any(r is not None and r.endOffset is not msgspec.UNSET for r in raws)
             layout = Layout.CONTAINERS if guessed else Layout.STARGZ
             data_end = blob_size - STARGZ_FOOTER_SIZE - SKIPPABLE_HEADER - len(compressed) \
                 if layout is Layout.STARGZ else blob_size

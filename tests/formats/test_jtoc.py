@@ -1,8 +1,11 @@
-"""jtoc.json_text: a TOC's UTF-8 JSON as an ASCII-only str that parses to the same document."""
+"""jtoc.json_text: a TOC's UTF-8 JSON as an ASCII-only str that parses to the same document.
+jtoc.decode_toc: the typed decoder answers alone only where json.loads (the reference) reads alike."""
 
 from __future__ import annotations
 
+import io
 import json
+import tarfile
 
 import pytest
 from hypothesis import given, settings
@@ -10,6 +13,7 @@ from hypothesis import strategies as st
 
 from snapshotter.errors import FormatError
 from snapshotter.formats import jtoc
+from snapshotter.formats.estargz_writer import write_estargz
 
 names = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
 docs = st.fixed_dictionaries({"version": st.just(1), "entries": st.lists(
@@ -49,3 +53,81 @@ def test_escaped_backslash_before_a_non_ascii_character_is_kept() -> None:
 def test_invalid_text_is_a_format_error_naming_the_layer(data: bytes) -> None:
     with pytest.raises(FormatError, match="layer sha256:abc"):
         jtoc.load_toc_json(jtoc.json_text(data, "layer sha256:abc"), "layer sha256:abc")
+
+
+# -- decode_toc: typed decoder vs the json.loads reference ---------------------------------------
+
+FIELDS = sorted(jtoc.RawEntry.__struct_fields__)
+values = st.one_of(
+    st.integers(-2, 2), st.integers(-(2 ** 70), 2 ** 70),
+    st.sampled_from([(1 << 32) - 1, 1 << 32, (1 << 63) - 1, 1 << 63]),
+    st.booleans(), st.none(), st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=4),
+    st.sampled_from(["reg", "dir", "chunk", "a\x00", "sha256:" + "a" * 64, "2024-01-02T03:04:05Z"]),
+    st.dictionaries(st.text(max_size=3), st.one_of(st.text(max_size=3), st.integers()), max_size=2),
+    st.lists(st.integers(), max_size=2),
+)
+raw_entries = st.one_of(st.dictionaries(st.sampled_from([*FIELDS, "other"]), values, max_size=8), values)
+toc_docs = st.fixed_dictionaries(
+    {"version": st.sampled_from([1, 1, 1, 2, True, 1.0, None]), "entries": st.lists(raw_entries, max_size=6)},
+    optional={"tarSplitDigest": values})
+# Text spliced in after the document's opening brace: what the typed decoder skips or reads otherwise.
+SPLICES = [b"", b'"zz": "\xff", ', b'"zz": NaN, ', b'"zz": "\\ud800", ', b'"version": 2, ', b'"entries": 7, ',
+           b'"zz": 1e999, ', b'"zz": [[[]]], ']
+
+
+def _outcome(decode: object, data: bytes) -> object:
+    try:
+        return decode(data, "layer x")  # type: ignore[operator]
+    except FormatError:
+        return "FormatError"
+
+
+@settings(max_examples=600, deadline=None)
+@given(doc=toc_docs, ascii_only=st.booleans(), splice=st.sampled_from(SPLICES))
+def test_typed_decoder_answers_alone_only_where_json_loads_reads_alike(
+        doc: dict[str, object], ascii_only: bool, splice: bytes) -> None:
+    text = json.dumps(doc, ensure_ascii=ascii_only).encode()
+    data = text[:1] + splice + text[1:]
+    reference = _outcome(jtoc.decode_toc_loose, data)
+    typed = jtoc.typed_toc(data)
+    if typed is not None:
+        assert typed == reference
+    assert _outcome(jtoc.decode_toc, data) == reference
+
+
+def _tar(members: list[tuple[tarfile.TarInfo, bytes]]) -> io.BytesIO:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for info, data in members:
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data) if info.isreg() else None)
+    buf.seek(0)
+    return buf
+
+
+def test_ordinary_tocs_take_the_typed_decoder() -> None:
+    """The speed is in the typed decoder: a TOC as converters write it must not need the fallback."""
+    def info(name: str, kind: bytes, **kw: object) -> tarfile.TarInfo:
+        ti = tarfile.TarInfo(name)
+        ti.type, ti.mtime, ti.mode = kind, 1_700_000_000, 0o755
+        for k, v in kw.items():
+            setattr(ti, k, v)
+        return ti
+
+    src = _tar([(info("etc", tarfile.DIRTYPE), b""),
+                (info("etc/passwd", tarfile.REGTYPE, pax_headers={"SCHILY.xattr.user.a": "b"}), b"root:x:0:0\n"),
+                (info("etc/big", tarfile.REGTYPE), bytes(range(256)) * 600),
+                (info("etc/link", tarfile.SYMTYPE, linkname="passwd"), b""),
+                (info("etc/hard", tarfile.LNKTYPE, linkname="etc/passwd"), b""),
+                (info("dev-null", tarfile.CHRTYPE, devmajor=1, devminor=3), b""),
+                (info("ünïcode-名前", tarfile.REGTYPE), b"x")])
+    out = io.BytesIO()
+    write_estargz(src, out, chunk_size=64 << 10)
+    with tarfile.open(fileobj=io.BytesIO(out.getvalue()[:-51]), mode="r:gz", ignore_zeros=True) as tf:
+        member = next(m for m in tf.getmembers() if m.name == "stargz.index.json")
+        data = tf.extractfile(member).read()  # type: ignore[union-attr]
+    typed = jtoc.typed_toc(data)
+    assert typed is not None
+    assert typed == jtoc.decode_toc_loose(data, "layer x")
+    kinds = {e.type for e in typed.entries if e is not None}
+    assert kinds == {"dir", "reg", "chunk", "symlink", "hardlink", "char"}
