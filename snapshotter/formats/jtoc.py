@@ -272,8 +272,9 @@ FinishChunks = Callable[[PendingEntry, list[int]], tuple[Chunk, ...]]
 
 
 class _At:
-    """`what` for one entry, formatted only when an error message needs it (a big TOC has
-    100k entries, nearly all fine): "<what>, entry 7" or "<what>, entry 'etc/passwd'"."""
+    """`what` for the entry being read, formatted only when an error message needs it (a big TOC
+    has 100k entries, nearly all fine): "<what>, entry 7" or "<what>, entry 'etc/passwd'". One is
+    reused for every entry (`where` moves on), so a message must be formatted when raised."""
 
     __slots__ = ("what", "where")
 
@@ -299,14 +300,6 @@ def _digest(v: Any, key: str, what: object) -> str | None:
     return digest_value(v, key, what)
 
 
-def _name(raw: str) -> str:
-    """normalize_name, skipping the work for names that are already normal (most of them)."""
-    if raw and raw[0] not in "./" and raw[-1] not in "./" and "/." not in raw and "//" not in raw \
-            and "\x00" not in raw:
-        return raw
-    return normalize_name(raw)
-
-
 def _chunk(raw: RawEntry, what: object, dialect: JtocDialect) -> RawChunk:
     zeros = False
     if dialect.chunk_types:
@@ -329,21 +322,26 @@ def _chunk(raw: RawEntry, what: object, dialect: JtocDialect) -> RawChunk:
     )
 
 
+_REG, _DIR, _SYMLINK, _HARDLINK = EntryType.REG, EntryType.DIR, EntryType.SYMLINK, EntryType.HARDLINK
+_DEVICES = (EntryType.CHAR, EntryType.BLOCK)
+
+
 def _pending(raw: RawEntry, type_: EntryType, name: str, what: object) -> PendingEntry:
-    link = _plain_str(raw.linkName, "linkName", what)
-    if type_ is EntryType.HARDLINK:
+    link = raw.linkName
+    if not (type(link) is str and "\x00" not in link):
+        link = str_value(link, "linkName", what)
+    if type_ is _HARDLINK:
         link = normalize_name(link, allow_root=False)
-    elif type_ is EntryType.SYMLINK:
+    elif type_ is _SYMLINK:
         if not link:
             raise FormatError(f"{what}: symlink without a target")
     else:
         link = ""
     size = 0
-    if type_ is EntryType.REG:
+    if type_ is _REG:
         size = raw.size
         if type(size) is not int or not 0 <= size <= MAX_INT:
             size = int_value(size, "size", what)
-    dev = type_ in (EntryType.CHAR, EntryType.BLOCK)
     mode, uid, gid = raw.mode, raw.uid, raw.gid
     if not (type(mode) is int and type(uid) is int and type(gid) is int and 0 <= mode <= MAX_INT
             and 0 <= uid <= MAX_ID and 0 <= gid <= MAX_ID):  # else the field readers say what is wrong
@@ -355,13 +353,17 @@ def _pending(raw: RawEntry, type_: EntryType, name: str, what: object) -> Pendin
             else mtime_ns_value(modtime, what)
     except ValueError:
         mtime_ns = mtime_ns_value(modtime, what)  # raises, naming the entry
-    return PendingEntry(
-        name, type_, mode & 0o7777, uid, gid, mtime_ns, size, link,
-        int_value(raw.devMajor, "devMajor", what, hi=MAX_ID) if dev else 0,
-        int_value(raw.devMinor, "devMinor", what, hi=MAX_ID) if dev else 0,
-        NO_XATTRS if raw.xattrs is None else xattrs_value(raw.xattrs, what),
-        _digest(raw.digest, "digest", what) if type_ is EntryType.REG else None,
-    )
+    dev_major = dev_minor = 0
+    if type_ in _DEVICES:
+        dev_major = int_value(raw.devMajor, "devMajor", what, hi=MAX_ID)
+        dev_minor = int_value(raw.devMinor, "devMinor", what, hi=MAX_ID)
+    digest = None
+    if type_ is _REG:
+        digest = raw.digest
+        if not (type(digest) is str and DIGEST_RE.fullmatch(digest) is not None):
+            digest = digest_value(digest, "digest", what)
+    return PendingEntry(name, type_, mode & 0o7777, uid, gid, mtime_ns, size, link, dev_major, dev_minor,
+                        NO_XATTRS if raw.xattrs is None else xattrs_value(raw.xattrs, what), digest)
 
 
 @dataclass
@@ -381,50 +383,57 @@ def read_entries(raws: list[RawEntry | None], what: str, dialect: JtocDialect) -
     by_name: dict[str, PendingEntry] = {}
     offsets: set[int] = set()
     last_reg: PendingEntry | None = None
+    at = _At(what, 0)
+    types, end_offsets = TYPES, dialect.end_offsets
     for i in range(len(raws)):
         raw, raws[i] = raws[i], None
-        ewhat: object = _At(what, i)
+        at.where = i
         if raw is None:
-            raise FormatError(f"{ewhat}: not an object")
-        kind = _plain_str(raw.type, "type", ewhat)
+            raise FormatError(f"{at}: not an object")
+        kind = raw.type
+        if not (type(kind) is str and "\x00" not in kind):
+            kind = str_value(kind, "type", at)
         if kind == "chunk":
             if last_reg is None or last_reg.size == 0:
-                raise FormatError(f"{ewhat}: chunk entry does not follow a non-empty regular file")
-            cname = _plain_str(raw.name, "name", ewhat)
+                raise FormatError(f"{at}: chunk entry does not follow a non-empty regular file")
+            cname = _plain_str(raw.name, "name", at)
             if cname and normalize_name(cname) != last_reg.name:
-                raise FormatError(f"{ewhat}: chunk of {cname!r} follows file {last_reg.name!r}")
-            rc = _chunk(raw, ewhat, dialect)
+                raise FormatError(f"{at}: chunk of {cname!r} follows file {last_reg.name!r}")
+            rc = _chunk(raw, at, dialect)
             last_reg.chunks.append(rc)
             offsets.add(rc.blob_offset)
             continue
-        type_ = TYPES.get(kind)
+        type_ = types.get(kind)
         if type_ is None:
-            raise FormatError(f"{ewhat}: unknown entry type {kind!r}")
-        name = _name(_plain_str(raw.name, "name", ewhat))
-        ewhat = _At(what, name)
+            raise FormatError(f"{at}: unknown entry type {kind!r}")
+        name = raw.name
+        if not (type(name) is str and name and name[0] not in "./" and name[-1] not in "./" and "/." not in name
+                and "//" not in name and "\x00" not in name):  # else not a plain normal name: the slow way
+            name = normalize_name(str_value(name, "name", at))
+        at.where = name
         if name in by_name:
-            raise FormatError(f"{ewhat}: listed twice")
-        if name == "" and type_ is not EntryType.DIR:
-            raise FormatError(f"{ewhat}: the root must be a directory, not {kind}")
-        p = _pending(raw, type_, name, ewhat)
+            raise FormatError(f"{at}: listed twice")
+        if name == "" and type_ is not _DIR:
+            raise FormatError(f"{at}: the root must be a directory, not {kind}")
+        p = _pending(raw, type_, name, at)
         pending.append(p)
         by_name[name] = p
         last_reg = None
-        if type_ is EntryType.REG:
+        if type_ is _REG:
             last_reg = p
             if p.size > 0:
-                rc = _chunk(raw, ewhat, dialect)
+                rc = _chunk(raw, at, dialect)
                 if rc.file_offset != 0:
-                    raise FormatError(f"{ewhat}: first chunk starts at file offset {rc.file_offset}")
+                    raise FormatError(f"{at}: first chunk starts at file offset {rc.file_offset}")
                 p.chunks.append(rc)
                 offsets.add(rc.blob_offset)
-                if dialect.end_offsets:
+                if end_offsets:
                     end = raw.endOffset
-                    p.end_offset = int_value(None if end is msgspec.UNSET else end, "endOffset", ewhat)
+                    p.end_offset = int_value(None if end is msgspec.UNSET else end, "endOffset", at)
                     if p.end_offset:
                         offsets.add(p.end_offset)
             elif raw.chunkSize or raw.innerOffset:
-                raise FormatError(f"{ewhat}: empty file with chunk fields")
+                raise FormatError(f"{at}: empty file with chunk fields")
     return TocEntries(pending, by_name, sorted(offsets))
 
 
@@ -498,21 +507,27 @@ def build_entries(toc: TocEntries, finish: FinishChunks,
     for i in range(len(pending)):
         p = pending[i]
         pending[i] = None  # type: ignore[call-overload]
-        nlink = 2 + subdirs.get(p.name, 0) if p.type is EntryType.DIR else nlinks.get(p.name, 1)
-        if p.type is EntryType.REG:
-            e = p.entry(nlink, finish(p, offsets) if p.size else ())
-            try:
-                check_chunks(e)
-            except FormatError as exc:
-                raise FormatError(f"{what}: {exc}") from None
+        type_, name = p.type, p.name
+        if type_ is _REG:
+            chunks = finish(p, offsets) if p.size else ()
+            # Positional, in Entry's field order (as PendingEntry.entry; this loop runs once per file).
+            e = Entry(name, type_, p.mode, p.uid, p.gid, p.mtime_ns, p.size, p.link_target, p.dev_major,
+                      p.dev_minor, p.xattrs, nlinks.get(name, 1), p.digest, chunks)
+            c = chunks[0] if len(chunks) == 1 else None
+            if c is None or not (c.file_offset == 0 and 0 < c.size == p.size and c.blob_offset >= 0
+                                 and c.blob_size >= 0 and c.inner_offset >= 0):  # one whole chunk: fine
+                try:
+                    check_chunks(e)
+                except FormatError as exc:
+                    raise FormatError(f"{what}: {exc}") from None
+            if not seen_landmark:
+                if name == PREFETCH_LANDMARK:
+                    landmark, seen_landmark = Landmark.PREFETCH, True
+                elif name == NO_PREFETCH_LANDMARK:
+                    landmark, seen_landmark = Landmark.NO_PREFETCH, True
+                else:
+                    prefetch.append(name)
         else:
-            e = p.entry(nlink)
+            e = p.entry(2 + subdirs.get(name, 0) if type_ is _DIR else nlinks.get(name, 1))
         entries.append(e)
-        if not seen_landmark and e.type is EntryType.REG:
-            if e.name == PREFETCH_LANDMARK:
-                landmark, seen_landmark = Landmark.PREFETCH, True
-            elif e.name == NO_PREFETCH_LANDMARK:
-                landmark, seen_landmark = Landmark.NO_PREFETCH, True
-            else:
-                prefetch.append(e.name)
     return tuple(entries), landmark, tuple(prefetch) if landmark is Landmark.PREFETCH else ()
