@@ -159,7 +159,7 @@ class RemoteBackend:
 
     def _resolve_ahead(self, ref: LayerRef) -> tuple[str, int, int]:
         self.claims.resolved_ahead(ref.layer_digest)
-        # A guessed Nydus bootstrap is fetched whole: a wrong guess must not cost a big layer.
+        # A guessed Nydus bootstrap is fetched whole: a wrong guess costs at most this cap (its first read).
         return self._resolve_now(ref, max_bootstrap_bytes=min(AHEAD_MAX_BOOTSTRAP_BYTES,
                                                               self.config.limits.max_bootstrap_bytes))
 

@@ -5,9 +5,11 @@ the blob's size; they hold the footer and, for small layers, the whole TOC), or 
 layer's tail-size hint says (formats/tail_hint.py: our converter's annotation; at most
 max_toc_bytes + TAIL_BYTES), then GET the TOC range if the tail did not hold it. The footer
 decides the format: eStargz (51-byte footer), legacy stargz (47), zstd:chunked (either layout).
-Nydus layers are told apart by their labels: a data blob layer needs only its size, the
-bootstrap layer (small) is fetched whole. Anything else is `NotLazy`, and the caller falls back
-to a full pull of that layer.
+Nydus layers are told apart by their labels: a data blob layer needs only its size (HEAD), the
+bootstrap layer (small) is fetched whole: with a suffix range of BOOTSTRAP_FIRST_READ bytes, whose
+answer is the whole layer when it is smaller and gives the size otherwise (then the rest follows,
+unless the size is over the limit). Anything else is `NotLazy`, and the caller falls back to a
+full pull of that layer.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ from snapshotter.formats.metadata_parse import (
 from snapshotter.remote.labels import LayerRef
 
 TAIL_BYTES = 64 * 1024
+# A bootstrap layer up to this size is fetched in one round trip (no HEAD first). About 60 bytes
+# per file (gzipped RAFS v6): 11,400 files take 0.7 MB, so this covers some 140,000.
+BOOTSTRAP_FIRST_READ = 8 << 20
 
 # Told of a layer's metadata bytes and how they parse, just before the daemon parses them, with
 # the image's layers from this one up (the spare mount process parses the same bytes meanwhile
@@ -66,7 +71,7 @@ T = TypeVar("T")
 
 
 async def _off_loop(parse: Callable[..., T], *args: object, **kwargs: object) -> T:
-    """Run a parse (CPU work: 0.1 s for a TOC of 11,000 entries) on a worker thread, so the
+    """Run a parse (CPU work: 0.08-0.15 s for a TOC of 11,000 entries) on a worker thread, so the
     loop keeps serving the other layers' requests meanwhile (their resolves run ahead in it)."""
     return await trio.to_thread.run_sync(functools.partial(parse, *args, **kwargs))
 
@@ -100,18 +105,22 @@ async def _parse(ref: LayerRef, p: MetadataParse, data: bytes, on_metadata: OnMe
     return index, key
 
 
-async def _resolve_nydus(client: RegistryClient, ref: LayerRef, size: int, *,
-                         max_bootstrap_bytes: int, on_metadata: OnMetadata | None) -> ResolvedLayer:
+async def _resolve_nydus(client: RegistryClient, ref: LayerRef, *, max_bootstrap_bytes: int,
+                         on_metadata: OnMetadata | None) -> ResolvedLayer:
     """A Nydus data blob layer has no tree of its own (the bootstrap layer describes the image);
     the bootstrap layer is small and fetched whole, then parsed."""
     if ref.nydus_blob:
+        size = await client.blob_size(ref.image_ref, ref.layer_digest)
         p = MetadataParse(NYDUS_BLOB, ref.layer_digest, size, 0)
         index, key = await _parse(ref, p, b"", on_metadata)  # empty: told so the spare knows the whole image
         return ResolvedLayer(ref, NYDUS_BLOB_FORMAT, size, index, 0, key)
+    first = max(1, min(BOOTSTRAP_FIRST_READ, max_bootstrap_bytes))
+    tail, size = await client.read_tail(ref.image_ref, ref.layer_digest, first)
     if size > max_bootstrap_bytes:
         raise LimitExceeded(f"nydus bootstrap layer {ref.layer_digest} is {size} bytes, over "
                             f"limits.max_bootstrap_bytes ({max_bootstrap_bytes})")
-    layer = bytes(await client.read_range(ref.image_ref, ref.layer_digest, 0, size))
+    layer = tail if len(tail) == size else \
+        bytes(await client.read_range(ref.image_ref, ref.layer_digest, 0, size - len(tail))) + tail
     if hashlib.sha256(layer).hexdigest() != ref.layer_digest.partition(":")[2]:
         raise DigestMismatch(f"nydus bootstrap layer {ref.layer_digest}: content does not match its digest")
 
@@ -133,9 +142,7 @@ async def resolve_layer(client: RegistryClient, ref: LayerRef, *, max_toc_bytes:
     """Fetch and parse the layer's TOC (or Nydus bootstrap). Raises NotLazy, FormatError /
     DigestMismatch / LimitExceeded, or FetchError. on_metadata: see OnMetadata."""
     if ref.nydus_blob or ref.nydus_bootstrap:
-        size = await client.blob_size(ref.image_ref, ref.layer_digest)
-        return await _resolve_nydus(client, ref, size, max_bootstrap_bytes=max_bootstrap_bytes,
-                                    on_metadata=on_metadata)
+        return await _resolve_nydus(client, ref, max_bootstrap_bytes=max_bootstrap_bytes, on_metadata=on_metadata)
     tail, size = await client.read_tail(ref.image_ref, ref.layer_digest, tail_request_bytes(ref, max_toc_bytes))
     if size < estargz.LEGACY_FOOTER_SIZE:
         raise NotLazy(f"layer {ref.layer_digest} is only {size} bytes: no lazy-format footer")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import io
 import logging
+import re
 import tarfile
 import time
 from collections.abc import Collection, Iterator
@@ -19,6 +20,7 @@ from snapshotter.formats.estargz import write_estargz
 from snapshotter.formats.metadata_parse import MetadataParse, parse_metadata
 from snapshotter.formats.rafs_writer import write_nydus
 from snapshotter.remote import backend as backend_module
+from snapshotter.remote import resolver as resolver_module
 from snapshotter.remote.backend import RemoteBackend, RemoteLayer
 from snapshotter.remote.labels import REMOTE_LABEL, TARGET_SNAPSHOT_REF
 from snapshotter.snapshots.model import Kind
@@ -286,6 +288,13 @@ def _gets_of(registry: RegistryProcess, digest: str) -> int:
                if "method=GET" in line and f"/blobs/{digest}" in line)
 
 
+def _get_bytes_of(registry: RegistryProcess, digest: str) -> int:
+    """Body bytes the registry sent for GETs of blob `digest` (call after `_gets_of`: the log has settled)."""
+    return sum(int(m.group(1)) for line in registry.log_path.read_text().splitlines()
+               if "method=GET" in line and f"/blobs/{digest}" in line
+               and (m := re.search(r"http\.response\.written=(\d+)", line)) is not None)
+
+
 NYDUS_BLOB_LABEL = {"containerd.io/snapshot/nydus-blob": "true"}
 NYDUS_BOOT_LABEL = {"containerd.io/snapshot/nydus-bootstrap": "true"}
 
@@ -325,11 +334,37 @@ def test_a_nydus_bootstrap_is_resolved_ahead_and_used_only_as_a_bootstrap(
     assert boot in line and "reason=not_lazy" in line, line
 
 
+@pytest.mark.parametrize("first_read", [None, 100])
+def test_a_bootstrap_layer_takes_one_get_when_it_fits_the_first_read(
+        registry: RegistryProcess, backend: tuple[RemoteBackend, FakeMounter],
+        monkeypatch: pytest.MonkeyPatch, first_read: int | None) -> None:
+    """No HEAD for the size: a suffix read of BOOTSTRAP_FIRST_READ bytes brings a smaller layer
+    whole (one round trip); a bigger one gets the rest in a second read, and parses the same."""
+    be, _ = backend
+    if first_read is not None:
+        monkeypatch.setattr(resolver_module, "BOOTSTRAP_FIRST_READ", first_read)
+    salt = b"first%d" % (first_read or 0)
+    image = push_image(registry.url, f"lazy/nydus-first-{first_read or 0}", "v1", _nydus_layers(salt))
+    *_, boot = image.layers
+    with pytest.raises(AlreadyExists):
+        be.prepare("default/1/extract-1", "", _labels(image.ref, boot, "sha256:f1", **NYDUS_BOOT_LABEL, **{
+            "containerd.io/snapshot/cri.image-layers": boot}))
+    meta = be.layers.meta(boot)
+    assert meta is not None and meta.format == "nydus"
+    assert be.layers.load(boot).get("b") is not None
+    assert _gets_of(registry, boot) == (1 if first_read is None else 2)
+    assert _get_bytes_of(registry, boot) == meta.blob_size
+    heads = [line for line in registry.log_path.read_text().splitlines()
+             if "method=HEAD" in line and f"/blobs/{boot}" in line]
+    assert heads == []
+
+
 def test_a_guessed_bootstrap_over_the_ahead_cap_waits_for_its_prepare(
         registry: RegistryProcess, backend: tuple[RemoteBackend, FakeMounter],
         caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A guess is fetched whole only while it is small: over AHEAD_MAX_BOOTSTRAP_BYTES nothing of
-    it is downloaded ahead (it might be a big blob), and its own Prepare resolves it as usual."""
+    """A guess is fetched whole only while it is small: over AHEAD_MAX_BOOTSTRAP_BYTES no more of
+    it than that is downloaded ahead (the first read, which tells its size; it might be a big
+    blob), and its own Prepare resolves it as usual."""
     be, _ = backend
     caplog.set_level(logging.INFO)
     monkeypatch.setattr(backend_module, "AHEAD_MAX_BOOTSTRAP_BYTES", 100)
@@ -342,7 +377,8 @@ def test_a_guessed_bootstrap_over_the_ahead_cap_waits_for_its_prepare(
     while not any("event=resolve_ahead_failed" in r.getMessage() and boot in r.getMessage() for r in caplog.records):
         assert time.monotonic() < deadline, "the resolve ahead of the bootstrap did not end"
         time.sleep(0.02)
-    assert _gets_of(registry, boot) == 0 and be.layers.meta(boot) is None
+    assert _gets_of(registry, boot) == 1 and _get_bytes_of(registry, boot) == 100
+    assert be.layers.meta(boot) is None
     with pytest.raises(AlreadyExists):
         be.prepare("default/1/extract-2", "sha256:c1", _labels(image.ref, boot, "sha256:c2", **NYDUS_BOOT_LABEL, **{
             "containerd.io/snapshot/cri.image-layers": boot}))
