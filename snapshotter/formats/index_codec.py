@@ -91,8 +91,12 @@ def _chunk_tuple(c: Chunk) -> tuple[Any, ...]:
 
 
 def _entry_row(e: Entry) -> tuple[Any, ...]:
+    # map, not a generator, and no tuple() of an empty mapping: this runs once per file on the
+    # Prepare path (the daemon saves the index before it answers).
+    xattrs = e.xattrs
     return (e.name, e.type.value, e.mode, e.uid, e.gid, e.mtime_ns, e.size, e.link_target, e.dev_major, e.dev_minor,
-            tuple(e.xattrs.items()), e.nlink, e.digest, tuple(_chunk_tuple(c) for c in e.chunks))
+            tuple(xattrs.items()) if xattrs else (), e.nlink, e.digest,
+            tuple(map(_chunk_tuple, e.chunks)) if e.chunks else ())
 
 
 def dump_index(index: LayerIndex) -> bytes:
@@ -112,7 +116,7 @@ def _dump_rows(pickler: pickle.Pickler, index: LayerIndex) -> None:
     pickler.dump((index.format, tuple(index.blobs), index.landmark.value, tuple(index.prefetch), index.toc_digest,
                   len(entries)))
     for start in range(0, len(entries), _BATCH):
-        pickler.dump(tuple(_entry_row(e) for e in entries[start:start + _BATCH]))
+        pickler.dump(tuple(map(_entry_row, entries[start:start + _BATCH])))
 
 
 def dump_index_json(index: LayerIndex) -> bytes:
