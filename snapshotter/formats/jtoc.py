@@ -327,9 +327,7 @@ _DEVICES = (EntryType.CHAR, EntryType.BLOCK)
 
 
 def _pending(raw: RawEntry, type_: EntryType, name: str, what: object) -> PendingEntry:
-    link = raw.linkName
-    if not (type(link) is str and "\x00" not in link):
-        link = str_value(link, "linkName", what)
+    link = _plain_str(raw.linkName, "linkName", what)
     if type_ is _HARDLINK:
         link = normalize_name(link, allow_root=False)
     elif type_ is _SYMLINK:
@@ -359,9 +357,7 @@ def _pending(raw: RawEntry, type_: EntryType, name: str, what: object) -> Pendin
         dev_minor = int_value(raw.devMinor, "devMinor", what, hi=MAX_ID)
     digest = None
     if type_ is _REG:
-        digest = raw.digest
-        if not (type(digest) is str and DIGEST_RE.fullmatch(digest) is not None):
-            digest = digest_value(digest, "digest", what)
+        digest = _digest(raw.digest, "digest", what)
     return PendingEntry(name, type_, mode & 0o7777, uid, gid, mtime_ns, size, link, dev_major, dev_minor,
                         NO_XATTRS if raw.xattrs is None else xattrs_value(raw.xattrs, what), digest)
 
@@ -390,9 +386,7 @@ def read_entries(raws: list[RawEntry | None], what: str, dialect: JtocDialect) -
         at.where = i
         if raw is None:
             raise FormatError(f"{at}: not an object")
-        kind = raw.type
-        if not (type(kind) is str and "\x00" not in kind):
-            kind = str_value(kind, "type", at)
+        kind = _plain_str(raw.type, "type", at)
         if kind == "chunk":
             if last_reg is None or last_reg.size == 0:
                 raise FormatError(f"{at}: chunk entry does not follow a non-empty regular file")
@@ -509,17 +503,11 @@ def build_entries(toc: TocEntries, finish: FinishChunks,
         pending[i] = None  # type: ignore[call-overload]
         type_, name = p.type, p.name
         if type_ is _REG:
-            chunks = finish(p, offsets) if p.size else ()
-            # Positional, in Entry's field order (as PendingEntry.entry; this loop runs once per file).
-            e = Entry(name, type_, p.mode, p.uid, p.gid, p.mtime_ns, p.size, p.link_target, p.dev_major,
-                      p.dev_minor, p.xattrs, nlinks.get(name, 1), p.digest, chunks)
-            c = chunks[0] if len(chunks) == 1 else None
-            if c is None or not (c.file_offset == 0 and 0 < c.size == p.size and c.blob_offset >= 0
-                                 and c.blob_size >= 0 and c.inner_offset >= 0):  # one whole chunk: fine
-                try:
-                    check_chunks(e)
-                except FormatError as exc:
-                    raise FormatError(f"{what}: {exc}") from None
+            e = p.entry(nlinks.get(name, 1), finish(p, offsets) if p.size else ())
+            try:
+                check_chunks(e)
+            except FormatError as exc:
+                raise FormatError(f"{what}: {exc}") from None
             if not seen_landmark:
                 if name == PREFETCH_LANDMARK:
                     landmark, seen_landmark = Landmark.PREFETCH, True
