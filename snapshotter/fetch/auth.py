@@ -8,6 +8,12 @@ host answers 401; its challenge is remembered per host. Then every request to th
   until `expires_in` (default 60 s) minus a margin.
 A 401 on a request that carried a token drops that token; the caller retries once.
 
+Hand-off (`Authorizer.handoff` / `adopt`): what one process learned (each host's challenge, the
+tokens of given scopes that are good for a while yet) taken over by another, so that a mount
+process's first request to the registry carries the daemon's token instead of meeting a 401 and
+fetching a token of its own (two round trips, and a connection to the token server, on the
+container's start path). The hand-off holds tokens: it travels over a pipe, never through a file.
+
 Credentials come from a docker `config.json`: `credHelpers[host]` or `credsStore` run as
 `docker-credential-NAME get` (host on stdin, JSON {Username, Secret} out; Username "<token>"
 means an identity token), else `auths[host]` with `auth` (base64 user:pass), `username` /
@@ -20,10 +26,12 @@ import base64
 import json
 import logging
 import math
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 import httpx
 import trio
@@ -37,6 +45,9 @@ _DOCKER_HUB_HOSTS = ("docker.io", "index.docker.io", "registry-1.docker.io")
 DEFAULT_TOKEN_LIFETIME = 60.0
 HELPER_TIMEOUT = 30.0
 MAX_TOKEN_RESPONSE = 1 << 20
+# A token with less life left than this is not handed off: the other process would fetch its own
+# soon anyway, and clocks need some slack.
+HANDOFF_MIN_SECONDS = 10.0
 
 
 class AuthError(FetchError):
@@ -251,7 +262,8 @@ def _from_auth_entry(entry: Mapping[str, object], host: str) -> Credentials | No
 @dataclass
 class _Token:
     value: str
-    expires_at: float
+    expires_at: float  # trio clock
+    expires_wall: float = -math.inf  # time.time(), for a hand-off to another process (never handed: -inf)
 
 
 class Authorizer:
@@ -269,6 +281,55 @@ class Authorizer:
 
     def challenge_for(self, host: str) -> Challenge | None:
         return self._challenges.get(host)
+
+    def handoff(self, scopes: Iterable[str]) -> dict[str, Any]:
+        """What `adopt` in another process needs to authorize requests as this one does (see the
+        module docstring): every host's challenge, and the tokens for exactly one of `scopes`
+        that have at least HANDOFF_MIN_SECONDS to live. JSON-ready; {} when nothing was learned.
+        Safe to call from any thread: it copies the tables first."""
+        challenges = dict(self._challenges)
+        if not challenges:
+            return {}
+        tokens = list(self._tokens.items())
+        wanted = set(scopes)
+        now = time.time()
+        return {
+            "challenges": {host: {"scheme": ch.scheme, "params": dict(ch.params)} for host, ch in challenges.items()},
+            "tokens": [{"realm": realm, "service": service, "scope": scope, "username": user, "token": tok.value,
+                        "expires": tok.expires_wall}
+                       for (realm, service, scope, user), tok in tokens
+                       if scope in wanted and tok.expires_wall - now >= HANDOFF_MIN_SECONDS],
+        }
+
+    def adopt(self, doc: Mapping[str, Any]) -> int:
+        """Take over another process's `handoff` (in this process's trio run). What is malformed
+        or expired is skipped: the requests then authenticate as if nothing was handed over.
+        Returns the number of tokens taken."""
+        challenges = doc.get("challenges")
+        for host, ch in challenges.items() if isinstance(challenges, Mapping) else ():
+            if not (isinstance(host, str) and isinstance(ch, Mapping) and isinstance(ch.get("scheme"), str)):
+                continue
+            params = ch.get("params")
+            if isinstance(params, Mapping) and all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in params.items()):
+                self._challenges.setdefault(host, Challenge(ch["scheme"], MappingProxyType(dict(params))))
+        taken = 0
+        tokens = doc.get("tokens")
+        now_wall, now = time.time(), trio.current_time()
+        for t in tokens if isinstance(tokens, list) else ():
+            if not isinstance(t, Mapping):
+                continue
+            realm, service, scope, user = (t.get(k) for k in ("realm", "service", "scope", "username"))
+            value, expires = t.get("token"), t.get("expires")
+            if not (isinstance(realm, str) and isinstance(service, str) and isinstance(scope, str)
+                    and isinstance(user, str) and isinstance(value, str) and value
+                    and isinstance(expires, (int, float)) and math.isfinite(expires) and expires > now_wall):
+                continue
+            key = (realm, service, scope, user)
+            if key not in self._tokens:
+                self._tokens[key] = _Token(value, now + (expires - now_wall), float(expires))
+                taken += 1
+        return taken
 
     async def authorization(self, host: str, scope: str, client: httpx.AsyncClient) -> str | None:
         """The Authorization value for a request to `host` needing `scope`, or None."""
@@ -350,4 +411,5 @@ class Authorizer:
             lifetime = DEFAULT_TOKEN_LIFETIME
         self.tokens_fetched += 1
         log.debug("registry %s: got token for %s (expires in %.0fs)", host, " ".join(scopes), lifetime)
-        return _Token(value, trio.current_time() + max(lifetime - self._margin, 0.0))
+        life = max(lifetime - self._margin, 0.0)
+        return _Token(value, trio.current_time() + life, time.time() + life)

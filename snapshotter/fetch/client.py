@@ -34,7 +34,7 @@ import logging
 import os
 import random
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -370,6 +370,17 @@ class RegistryClient:
         (the daemon, for a mount process) already found they answer plain HTTP only, so the
         first request need not try TLS first. Hosts that must use TLS are not affected."""
         self._plain_http.update(hosts)
+
+    def auth_handoff(self, repositories: Iterable[str]) -> dict[str, Any]:
+        """What this client learned of authenticating with its registries, for another process
+        that will pull from these repositories (`adopt_auth`): the hosts' challenges and their
+        pull tokens (`Authorizer.handoff`; secrets: pass it over a pipe). Any thread."""
+        return self.authorizer.handoff(f"repository:{repo}:pull" for repo in repositories)
+
+    def adopt_auth(self, handoff: Mapping[str, Any]) -> int:
+        """Authorize requests with what another process's `auth_handoff` gave; the number of
+        tokens taken. Call it from this client's trio run."""
+        return self.authorizer.adopt(handoff)
 
     def use_plain_http(self, registry: str) -> None:
         """Talk plain HTTP (no TLS attempt) to every host of `registry` (a CLI's --plain-http)."""

@@ -16,7 +16,8 @@ Exit status: 0 after a clean stop or an external unmount; 2 for a bad state file
 
 `--spare` instead of STATE_FILE: start up (imports), then wait for {"state": PATH, "log": PATH} on
 stdin, parsing the layer metadata the daemon hands it meanwhile (fusefs/spare.py), and serve
-that state file; exit 0 at end of stdin (`await_assignment`, remote/mounts.py).
+that state file (with the registry authentication the assignment carries, if any); exit 0 at
+end of stdin (`await_assignment`, remote/mounts.py).
 """
 
 from __future__ import annotations
@@ -75,13 +76,15 @@ MOUNT_OPTIONS = frozenset({f"fsname={FSNAME}", "subtype=snapshotter", "allow_oth
 @dataclass
 class ReaderEnv:
     """What a ReaderFactory may use: the process nursery (background tasks), the exit stack
-    (resources closed after unmount), and `shared` for resources built once per process
-    (an HTTP client, the chunk cache) by whichever factory needs them first."""
+    (resources closed after unmount), `shared` for resources built once per process (an HTTP
+    client, the chunk cache) by whichever factory needs them first, and `auth`: the daemon's
+    registry authentication handed to a spare with its assignment ({} otherwise)."""
 
     nursery: trio.Nursery
     stack: AsyncExitStack
     state: MountState
     shared: dict[str, Any] = field(default_factory=dict)
+    auth: Mapping[str, Any] = field(default_factory=dict)
 
 
 ReaderFactory = Callable[[LayerSpec, LayerIndex, ReaderEnv], AbstractAsyncContextManager[LayerReader]]
@@ -256,8 +259,10 @@ async def _ready_after_prefetch(state: MountState, tree: MountTree, prefetcher: 
         }).encode())
 
 
-async def serve(state: MountState, tree: MountTree, reader_kinds: Mapping[str, ReaderFactory]) -> int:
-    """Mount `tree` at state.mountpoint and serve it until stopped; returns the exit status."""
+async def serve(state: MountState, tree: MountTree, reader_kinds: Mapping[str, ReaderFactory],
+                auth: Mapping[str, Any] | None = None) -> int:
+    """Mount `tree` at state.mountpoint and serve it until stopped; returns the exit status.
+    auth: the daemon's registry authentication, for the readers (`ReaderEnv.auth`)."""
     layer_specs = [spec for run in state.runs for spec in run]
     for spec in layer_specs:
         if spec.reader["kind"] not in reader_kinds:
@@ -266,7 +271,7 @@ async def serve(state: MountState, tree: MountTree, reader_kinds: Mapping[str, R
     async with AsyncExitStack() as stack:
         nursery = await stack.enter_async_context(trio.open_nursery())
         stack.callback(nursery.cancel_scope.cancel)  # runs before the nursery waits for its tasks
-        env = ReaderEnv(nursery=nursery, stack=stack, state=state)
+        env = ReaderEnv(nursery=nursery, stack=stack, state=state, auth=auth or {})
         readers: list[LayerReader] = []
         for spec, index in zip(layer_specs, tree.layers, strict=True):
             factory = reader_kinds[spec.reader["kind"]]
@@ -396,6 +401,7 @@ def main(argv: Sequence[str] | None = None, *, reader_kinds: Mapping[str, Reader
 
     kinds = {**READER_KINDS, "registry": registry_reader, **(reader_kinds or {})}
     state_file = args.state_file
+    auth: dict[str, Any] = {}
     preloaded: dict[str, LayerIndex] = {}
     prebuilt: tuple[tuple[str, ...], MountTree] | None = None
     if args.spare:
@@ -412,7 +418,7 @@ def main(argv: Sequence[str] | None = None, *, reader_kinds: Mapping[str, Reader
             return 2
         if found is None:
             return 0  # the daemon stopped before it needed this process
-        state_file, preloaded = found.state, found.preloaded
+        state_file, preloaded, auth = found.state, found.preloaded, found.auth
         if found.prebuilt is not None:
             prebuilt = (found.prebuilt.keys, found.prebuilt.tree)
     try:
@@ -428,7 +434,7 @@ def main(argv: Sequence[str] | None = None, *, reader_kinds: Mapping[str, Reader
         log.error("%s", exc)
         return 2
     try:
-        return trio.run(serve, state, tree, kinds)
+        return trio.run(serve, state, tree, kinds, auth)
     except (OSError, SnapshotterError) as exc:
         log.error("mount process failed: %s", exc)
         return 1

@@ -3,11 +3,13 @@ through the verified, single-flight layer reader and the shared on-disk chunk ca
 
 State-file reader spec: {"kind": "registry", "image_ref": REF, "layer_digest": D, "blob_size": N,
 "format": F}; the state's "config" object is the daemon's Config (registry hosts, credentials,
-cache cap, timeouts). One registry client and one cache are shared by all layers of the mount.
+cache cap, timeouts). One registry client and one cache are shared by all layers of the mount;
+the client starts with the daemon's auth hand-off when the spare was given one (`ReaderEnv.auth`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -22,6 +24,8 @@ from snapshotter.reader import BlobOrder, ReaderConfig, RegistryRangeSource, ope
 from snapshotter.remote.settings import fetch_config_from
 from snapshotter.remote.store import blob_digests
 
+log = logging.getLogger(__name__)
+
 
 async def _shared(env: ReaderEnv) -> tuple[Config, RegistryClient, ChunkCache]:
     if "registry_client" not in env.shared:
@@ -31,6 +35,9 @@ async def _shared(env: ReaderEnv) -> tuple[Config, RegistryClient, ChunkCache]:
         if isinstance(hosts, list):
             client.assume_plain_http(h for h in hosts if isinstance(h, str))
         await env.stack.enter_async_context(client)
+        if env.auth:
+            tokens = client.adopt_auth(env.auth)
+            log.info("event=auth_handoff tokens=%d", tokens)
         cache = ChunkCache(Path(config.root) / "cache", config.cache.max_bytes)
         env.stack.callback(cache.close)
         env.shared.update(config=config, registry_client=client, chunk_cache=cache)

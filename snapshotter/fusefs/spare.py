@@ -4,7 +4,8 @@ The daemon writes lines to the spare's stdin (remote/mounts.py):
     {"preload": MetadataParse doc, "data": PATH,   parse the metadata bytes in PATH (then removed);
      "layers": [DIGEST, ...]}                      for an image's lowest layer: the image's layers,
                                                    lowest first (else empty)
-    {"state": STATE_FILE, "log": LOG_FILE}         the assignment: the last line
+    {"state": STATE_FILE, "log": LOG_FILE,         the assignment: the last line ("auth": the
+     "auth": HANDOFF}                              daemon's registry authentication, optional)
 End of input without an assignment: the daemon stopped; nothing to serve.
 
 A reader thread takes the lines as they come, and the main thread parses each preload in turn, so
@@ -57,11 +58,13 @@ class Prebuilt:
 
 @dataclass
 class Assignment:
-    """The mount the spare was handed: its state file, its log file (or None), the indexes it
-    parsed while waiting, by parse key, and the tree it built from them, if any."""
+    """The mount the spare was handed: its state file, its log file (or None), the daemon's
+    registry authentication (fetch/auth.py `handoff`; {} when none came), the indexes it parsed
+    while waiting, by parse key, and the tree it built from them, if any."""
 
     state: str
     log: str | None
+    auth: dict[str, Any] = field(default_factory=dict)
     preloaded: dict[str, LayerIndex] = field(default_factory=dict)
     prebuilt: Prebuilt | None = None
 
@@ -148,7 +151,9 @@ def _read_lines(stdin: BinaryIO, lines: queue.Queue[object], assigned: threading
 def _assignment(doc: object, line: bytes) -> Assignment:
     try:
         assert isinstance(doc, dict), "not a JSON object"
-        return Assignment(str(doc["state"]), str(doc["log"]) if doc.get("log") else None)
+        auth = doc.get("auth")
+        return Assignment(str(doc["state"]), str(doc["log"]) if doc.get("log") else None,
+                          auth if isinstance(auth, dict) else {})
     except (AssertionError, KeyError, TypeError) as exc:
         raise ConfigError(f"spare mount process: bad assignment {line[:200]!r}: {exc}") from None
 

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import trio
 
@@ -79,7 +79,8 @@ class Mounter(Protocol):
     """Starts, finds and stops per-image mount processes (remote/mounts.py)."""
 
     def ensure(self, mount_id: str, runs: list[list[RemoteLayer]], *, bare_runs: tuple[int, ...] = (),
-               ahead: bool = False, plain_http_hosts: Collection[str] = ()) -> str: ...
+               ahead: bool = False, plain_http_hosts: Collection[str] = (),
+               auth: Mapping[str, Any] | None = None) -> str: ...
     def release(self, mount_id: str) -> None: ...
     def mounted_ids(self) -> set[str]: ...
     def metadata_dir(self, mount_id: str) -> str | None: ...
@@ -267,7 +268,8 @@ class RemoteBackend:
         runs, placement, bare = plan
         with self._mount_lock:
             mountpoint = self.mounter.ensure(snap.parent_ids[0], runs, bare_runs=bare,
-                                             plain_http_hosts=self.resolve_loop.plain_http_hosts())
+                                             plain_http_hosts=self.resolve_loop.plain_http_hosts(),
+                                             auth=self._auth_handoff(runs))
             meta = self.mounter.metadata_dir(snap.parent_ids[0])
         top = meta or mountpoint
         bottom_up_dirs = [f"{top}/{where}" if kind == "run" else str(where) for kind, where in placement]
@@ -315,13 +317,19 @@ class RemoteBackend:
             runs, _placement, bare = plan
             with self._mount_lock:
                 self.mounter.ensure(top.id, runs, bare_runs=bare, ahead=True,
-                                    plain_http_hosts=self.resolve_loop.plain_http_hosts())
+                                    plain_http_hosts=self.resolve_loop.plain_http_hosts(),
+                                    auth=self._auth_handoff(runs))
         except Exception as exc:
             log.warning("event=mount_ahead_failed mount=%s error=%r; the first container mounts it", top.id, exc)
             return
         timer = threading.Timer(MOUNT_AHEAD_IDLE, self._release_unused)
         timer.daemon = True
         timer.start()
+
+    def _auth_handoff(self, runs: list[list[RemoteLayer]]) -> dict[str, Any]:
+        """What the daemon's registry client learned of authenticating for these layers' images,
+        for a newly started mount process (its first requests then need no 401 and no token fetch)."""
+        return self.resolve_loop.auth_handoff({layer.image_ref for run in runs for layer in run})
 
     def _remote_layer(self, info: Info) -> RemoteLayer:
         ref = layer_ref_from_labels(info.labels)

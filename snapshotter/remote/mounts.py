@@ -21,8 +21,12 @@ image mounted from then on are overlay of META/<run> dirs over the FUSE mount as
 layer. It is unmounted (lazily) when the mount stops; the image file stays for the next mount.
 
 The spare (config `spare_mount_process`): one mount process started ahead, imports done, that
-waits on its stdin for a line {"state": STATE_FILE, "log": LOG_FILE}; the next mount hands it its
-state file instead of starting a process, and a new spare is started SPARE_DELAY seconds later.
+waits on its stdin for a line {"state": STATE_FILE, "log": LOG_FILE, "auth": HANDOFF}; the next
+mount hands it its state file instead of starting a process, and a new spare is started
+SPARE_DELAY seconds later. "auth" (optional) is the daemon's registry authentication for the
+image (challenges and pull tokens, fetch/auth.py `handoff`), so the mount's first requests carry
+a token; it goes only over the pipe (a mount process started without the spare authenticates on
+its own).
 An unassigned spare exits when its stdin closes (the daemon stopped or died). An assigned one
 changes its working directory to its mount's directory, which is how it is recognised later
 (its command line names no state file).
@@ -54,8 +58,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from pathlib import Path
+from typing import Any
 
 from snapshotter import metrics
 from snapshotter.config import Config
@@ -78,6 +83,9 @@ SPARE_LOG = "spare.log"
 PRELOAD_DIR = "preload"
 # Metadata larger than this is not preloaded: the spare would hold it while it waits.
 PRELOAD_MAX_BYTES = 64 << 20
+# Largest auth hand-off put on the spare's assignment line (a few bearer tokens are a few KiB; the
+# line must fit in the pipe's buffer, which the spare's reader drains as lines come).
+MAX_AUTH_HANDOFF = 16 << 10
 WATCH_INTERVAL = 1.0  # seconds between checks of the mount processes' pids (`watch`)
 
 
@@ -183,11 +191,14 @@ class MountManager:
         return {m: self._pid(m) for m in sorted(self.mounted_ids())}
 
     def ensure(self, mount_id: str, runs: list[list[RemoteLayer]], *, bare_runs: tuple[int, ...] = (),
-               ahead: bool = False, plain_http_hosts: Collection[str] = ()) -> str:
+               ahead: bool = False, plain_http_hosts: Collection[str] = (),
+               auth: Mapping[str, Any] | None = None) -> str:
         """The mountpoint of image `mount_id`, starting its mount process if it is not serving.
         ahead=True: mounted before any container asked (its background fetch waits until a
         later call without `ahead` marks it in use, or a read). plain_http_hosts: registry hosts
-        the daemon found answering plain HTTP only, handed to a newly started mount process."""
+        the daemon found answering plain HTTP only, handed to a newly started mount process.
+        auth: the daemon's registry authentication (`RegistryClient.auth_handoff`), handed to
+        the spare with its assignment, over its stdin (it holds tokens: never in the state file)."""
         mnt, state, pidf, logf = self._paths(mount_id)
         in_use = self.dir / mount_id / IN_USE_FILE
         with self._lock:
@@ -232,7 +243,7 @@ class MountManager:
             in_use.unlink(missing_ok=True)
             if not ahead:
                 in_use.touch()
-            proc = self._launch(state, logf)
+            proc = self._launch(state, logf, auth)
             self._children[mount_id] = proc
             readyf = self.dir / mount_id / READY_FILE
             deadline = time.monotonic() + READY_TIMEOUT
@@ -263,13 +274,17 @@ class MountManager:
         return [sys.executable, "-m", "snapshotter.fusefs", *args, "--log-level", self.config.log_level,
                 "--log-format", self.config.log_format]
 
-    def _launch(self, state: Path, logf: Path) -> subprocess.Popen[bytes]:
-        """A mount process for `state`: the spare, handed the state file, or a new process."""
+    def _launch(self, state: Path, logf: Path, auth: Mapping[str, Any] | None = None) -> subprocess.Popen[bytes]:
+        """A mount process for `state`: the spare, handed the state file (and `auth`, when it
+        fits in MAX_AUTH_HANDOFF bytes), or a new process (which authenticates on its own)."""
         spare = self._take_spare()
         if spare is not None:
+            assignment: dict[str, object] = {"state": str(state), "log": str(logf)}
+            if auth and len(json.dumps(auth)) <= MAX_AUTH_HANDOFF:
+                assignment["auth"] = dict(auth)
             try:
                 assert spare.stdin is not None
-                self._tell_spare(spare, {"state": str(state), "log": str(logf)}, last=True)
+                self._tell_spare(spare, assignment, last=True)
                 self.schedule_spare()
                 return spare
             except OSError as exc:  # it died after _take_spare looked, or does not read its stdin

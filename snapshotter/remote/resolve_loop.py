@@ -10,13 +10,14 @@ the loop (concurrent callers run concurrently). hosts.toml is read again for eac
 from __future__ import annotations
 
 import threading
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
 
 import trio
 
 from snapshotter.fetch.client import RegistryClient, warm_up
 from snapshotter.fetch.config import FetchConfig
+from snapshotter.fetch.reference import InvalidReference, parse_reference
 
 T = TypeVar("T")
 START_TIMEOUT = 30.0
@@ -49,6 +50,20 @@ class ResolveLoop:
         """Registry hosts the loop's client found answering plain HTTP only (empty before it ran)."""
         client = self._client
         return client.plain_http_hosts() if client is not None else frozenset()
+
+    def auth_handoff(self, image_refs: Iterable[str]) -> dict[str, Any]:
+        """The loop's client's `auth_handoff` for the repositories of these image references,
+        for a mount process that reads their layers ({} before the loop ran). Any thread."""
+        client = self._client
+        if client is None:
+            return {}
+        repositories: set[str] = set()
+        for ref in image_refs:
+            try:
+                repositories.add(parse_reference(ref).repository)
+            except InvalidReference:
+                continue  # the mount's own requests will say what is wrong with it
+        return client.auth_handoff(sorted(repositories))
 
     def start_in_background(self) -> None:
         """Start the loop and build the default TLS context on a thread of their own, so the

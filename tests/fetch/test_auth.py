@@ -15,6 +15,7 @@ import pytest
 import trio
 
 from snapshotter.fetch import FetchConfig, RegistryClient, RegistryError
+from snapshotter.fetch.auth import HANDOFF_MIN_SECONDS
 from tests.fetch.conftest import FAST
 from tests.fetch.proxies import BlobServer, RegistryProxy
 from tests.fetch.registry import PushedImage, RegistryProcess, push_image, start_registry, write_htpasswd
@@ -118,6 +119,54 @@ def test_bearer_anonymous_and_reauth_on_401(bearer_proxy: RegistryProxy, image: 
     trio.run(main)
     statuses = [r.status for r in bearer_proxy.requests if r.path.startswith("/v2/")]
     assert statuses.count(401) == 2  # the first challenge and the revoked token, nothing more
+
+
+def test_a_handed_off_token_spares_the_next_client_its_401_and_token_request(
+        bearer_proxy: RegistryProxy, image: PushedImage, big_layer: tuple[str, bytes]) -> None:
+    """What one client learned (the challenge, the pull token) taken over by another, as a mount
+    process takes the daemon's: its first request carries the token. A hand-off for another
+    repository carries the challenge but no token."""
+    digest, data = big_layer
+    ref = f"{bearer_proxy.host}/{image.repository}"
+
+    async def main() -> None:
+        async with RegistryClient(FAST) as daemon:
+            assert await daemon.read_range(ref, digest, 0, 4) == data[:4]
+            handoff = json.loads(json.dumps(daemon.auth_handoff([image.repository])))  # as over the pipe
+            elsewhere = daemon.auth_handoff(["some/other-repo"])
+        assert [t["scope"] for t in handoff["tokens"]] == [f"repository:{image.repository}:pull"]
+        assert elsewhere["tokens"] == [] and elsewhere["challenges"] == handoff["challenges"]
+        async with RegistryClient(FAST) as mount:
+            assert mount.adopt_auth(handoff) == 1
+            assert await mount.read_range(ref, digest, 8, 4) == data[8:12]
+
+    trio.run(main)
+    assert bearer_proxy.tokens_issued == 1
+    statuses = [r.status for r in bearer_proxy.requests if r.path.startswith("/v2/")]
+    assert statuses == [401, 206, 206]  # the first client's challenge, its read, the second's read
+
+
+def test_a_token_about_to_expire_is_not_handed_off(origin: RegistryProcess, image: PushedImage,
+                                                   big_layer: tuple[str, bytes]) -> None:
+    """Less than HANDOFF_MIN_SECONDS left: the next client gets the challenge only, and fetches
+    a token of its own before its first request (no 401)."""
+    digest, data = big_layer
+    cfg = replace(FAST, token_expiry_margin=0.0)
+    with RegistryProxy(origin.url, bearer=True, token_lifetime=int(HANDOFF_MIN_SECONDS) - 2) as p:
+        ref = f"{p.host}/{image.repository}"
+
+        async def main() -> None:
+            async with RegistryClient(cfg) as daemon:
+                assert await daemon.read_range(ref, digest, 0, 4) == data[:4]
+                handoff = daemon.auth_handoff([image.repository])
+            assert handoff["tokens"] == [] and p.host in handoff["challenges"]
+            async with RegistryClient(cfg) as mount:
+                assert mount.adopt_auth(handoff) == 0
+                assert await mount.read_range(ref, digest, 4, 4) == data[4:8]
+
+        trio.run(main)
+        assert p.tokens_issued == 2
+        assert [r.status for r in p.requests if r.path.startswith("/v2/")] == [401, 206, 206]
 
 
 def test_bearer_token_expiry_refreshes_before_401(origin: RegistryProcess, image: PushedImage,

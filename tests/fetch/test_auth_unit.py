@@ -1,12 +1,14 @@
 import base64
 import json
 import os
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
 
-from snapshotter.fetch.auth import AuthError, Credentials, CredentialStore, parse_www_authenticate
+from snapshotter.fetch.auth import AuthError, Authorizer, Credentials, CredentialStore, parse_www_authenticate
 
 
 def test_parse_challenges() -> None:
@@ -85,3 +87,28 @@ def test_cred_helpers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     trio.run(main)
     assert log.read_text().splitlines() == ["get h.io", "get tok.io", "get missing.io", "get broken.io",
                                             "get other.io"]
+
+
+def test_adopt_skips_what_is_malformed_or_expired() -> None:
+    """A hand-off from another process is only an optimization: anything wrong in it is skipped."""
+    good = {"realm": "https://auth.example/token", "service": "reg", "scope": "repository:app:pull",
+            "username": "", "token": "t0k", "expires": time.time() + 300}
+
+    async def main() -> None:
+        a = Authorizer(CredentialStore(None))
+        doc = {"challenges": {"reg.example": {"scheme": "bearer",
+                                              "params": {"realm": good["realm"], "service": "reg"}},
+                              "bad.example": {"scheme": 3}, "worse.example": "bearer"},
+               "tokens": [good, {**good, "scope": "repository:other:pull", "expires": time.time() - 1},
+                          {**good, "scope": "repository:x:pull", "token": ""}, {**good, "realm": None},
+                          {**good, "expires": float("nan")}, "t0k", 7]}
+        assert a.adopt(doc) == 1
+        assert a.challenge_for("reg.example") is not None and a.challenge_for("bad.example") is None
+        async with httpx.AsyncClient() as client:  # the token is served from the hand-off: no request
+            assert await a.authorization("reg.example", "repository:app:pull", client) == "Bearer t0k"
+        assert a.tokens_fetched == 0
+        handed = a.handoff(["repository:app:pull"])
+        assert handed["tokens"] == [good]  # and it can be handed on again
+        assert a.adopt({"challenges": [], "tokens": {}}) == 0 and Authorizer(CredentialStore(None)).handoff([]) == {}
+
+    trio.run(main)

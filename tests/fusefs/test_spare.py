@@ -140,6 +140,15 @@ def test_end_of_input_bad_lines_and_failed_parses(tmp_path: Path, caplog: pytest
     assert "event=preload_bad" in caplog.text and caplog.text.count("event=preload_failed") == 2
 
 
+def test_the_assignment_carries_the_daemons_auth_handoff() -> None:
+    auth = {"challenges": {"reg.example": {"scheme": "bearer", "params": {"realm": "https://a/t"}}}, "tokens": []}
+    found = wait_for_assignment(io.BytesIO(json.dumps({"state": "/s", "log": "/l", "auth": auth}).encode() + b"\n"))
+    assert found is not None and (found.state, found.log, found.auth) == ("/s", "/l", auth)
+    for line in (b'{"state": "/s"}\n', b'{"state": "/s", "auth": "not an object"}\n'):
+        found = wait_for_assignment(io.BytesIO(line))
+        assert found is not None and found.auth == {}
+
+
 def test_preloads_queued_behind_the_assignment_are_skipped(tmp_path: Path) -> None:
     p0, d0, _ = _member(BASE)
     p1, d1, _ = _member(TOP)

@@ -1,5 +1,6 @@
 """Operations, end to end on a lab: /metrics during a lazy run, `snapshotter status` with a lazy
-image and fallen-back layers, and no credential or token in any log or status output.
+image and fallen-back layers, the mount reading with the daemon's token, and no credential or
+token in any log, state file or status output.
 
 One lab for the module. The lazy image is pulled through a token-auth proxy (Bearer tokens
 issued against Basic credentials) in front of the lab registry; the daemon logs at DEBUG and
@@ -128,12 +129,18 @@ def test_metrics_status_and_no_credentials_in_logs(env: Env) -> None:
     lab.ctr_remote("image", "rpull", "--plain-http", "--user", f"{USER}:{PASSWORD}", "--snapshotter", "lazy",
                    env.lazy_ref)
     assert env.proxy.tokens_issued >= 1, "the lazy pull should have gone through the token proxy"
+    tokens_after_pull, refused_after_pull = env.proxy.tokens_issued, _unauthorized(env.proxy)
     # A container that reads through the lazy mount, then stays up while we look.
     script = ("cat /etc/layer1.txt /data/small.txt > /dev/null; sha256sum /data/big.bin > /sum.txt; "
               "echo done > /done; sleep 120")
     lab.ctr_run(env.lazy_ref, "ops-reader", "sh", "-c", script, detach=True)
     try:
         _check_while_running(env)
+        # The mount process read everything with the daemon's token (handed to it with its
+        # assignment): it met no 401 and asked the token server for nothing.
+        assert (env.proxy.tokens_issued, _unauthorized(env.proxy)) == (tokens_after_pull, refused_after_pull)
+        assert "event=auth_handoff tokens=1" in "".join(
+            p.read_text(errors="replace") for p in (lab.snapshotter_root / "mounts").glob("*/log"))
     finally:
         lab.ctr("tasks", "kill", "-s", "SIGKILL", "ops-reader", check=False)
         deadline = time.monotonic() + 20
@@ -141,6 +148,11 @@ def test_metrics_status_and_no_credentials_in_logs(env: Env) -> None:
             lab.ctr("tasks", "delete", "ops-reader", check=False)
             time.sleep(0.2)
         lab.ctr("containers", "delete", "ops-reader", check=False)
+
+
+def _unauthorized(proxy: RegistryProxy) -> int:
+    """Registry requests the proxy answered 401 so far."""
+    return sum(r.status == 401 for r in proxy.requests if r.path.startswith("/v2/"))
 
 
 def _check_while_running(env: Env) -> None:
@@ -246,11 +258,16 @@ def _check_while_running(env: Env) -> None:
 
     # -- no credentials or tokens anywhere we write or answer.
     mount_logs = "".join(p.read_text(errors="replace") for p in mounts_dir.glob("*/log"))
+    states = "".join(p.read_text(errors="replace") for p in mounts_dir.glob("*/state.json"))
+    assert states, "no mount state file"
     daemon_log = lab.daemon_log()
-    assert "level=debug" in daemon_log and "level=debug" in mount_logs, "DEBUG logging should be on"
+    # At DEBUG both (the mount's own requests log nothing at DEBUG: it authenticated with the daemon's token).
+    mount_argv = Path(f"/proc/{live['pid']}/cmdline").read_bytes().split(b"\0")
+    assert "level=debug" in daemon_log and b"--log-level" in mount_argv and \
+        mount_argv[mount_argv.index(b"--log-level") + 1] == b"debug", "DEBUG logging should be on"
     secrets = [PASSWORD, base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode(), *env.proxy.tokens]
     assert len(secrets) >= 3
-    for where, content in (("daemon log", daemon_log), ("mount logs", mount_logs),
+    for where, content in (("daemon log", daemon_log), ("mount logs", mount_logs), ("mount state files", states),
                            ("status --json", r.stdout), ("status", text_status.stdout), ("metrics", text)):
         for secret in secrets:
             assert secret not in content, f"a credential or token appears in the {where}"

@@ -8,8 +8,9 @@ import logging
 import re
 import tarfile
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -59,7 +60,8 @@ class FakeMounter:
         self.preloads: list[tuple[MetadataParse, bytes, tuple[str, ...]]] = []  # (parse, data, image layers)
 
     def ensure(self, mount_id: str, runs: list[list[RemoteLayer]], *, bare_runs: tuple[int, ...] = (),
-               ahead: bool = False, plain_http_hosts: Collection[str] = ()) -> str:
+               ahead: bool = False, plain_http_hosts: Collection[str] = (),
+               auth: Mapping[str, Any] | None = None) -> str:
         self.ensured[mount_id] = runs
         self.ahead[mount_id] = ahead
         self.plain_http[mount_id] = set(plain_http_hosts)
