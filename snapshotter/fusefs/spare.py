@@ -155,7 +155,8 @@ def _assignment(doc: object, line: bytes) -> Assignment:
         return Assignment(str(doc["state"]), str(doc["log"]) if doc.get("log") else None,
                           auth if isinstance(auth, dict) else {})
     except (AssertionError, KeyError, TypeError) as exc:
-        raise ConfigError(f"spare mount process: bad assignment {line[:200]!r}: {exc}") from None
+        shown = line.split(b'"auth"')[0][:200]  # the hand-off holds tokens: never in a message
+        raise ConfigError(f"spare mount process: bad assignment {shown!r}: {exc}") from None
 
 
 def _take_data(path: str) -> bytes:

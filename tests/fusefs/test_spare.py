@@ -147,6 +147,9 @@ def test_the_assignment_carries_the_daemons_auth_handoff() -> None:
     for line in (b'{"state": "/s"}\n', b'{"state": "/s", "auth": "not an object"}\n'):
         found = wait_for_assignment(io.BytesIO(line))
         assert found is not None and found.auth == {}
+    with pytest.raises(ConfigError, match="bad assignment") as refused:  # no "state"
+        wait_for_assignment(io.BytesIO(b'{"auth": {"tokens": [{"token": "s3cret-t0ken"}]}, "log": "/l"}\n'))
+    assert "s3cret" not in str(refused.value)
 
 
 def test_preloads_queued_behind_the_assignment_are_skipped(tmp_path: Path) -> None:
