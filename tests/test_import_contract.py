@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -42,3 +44,22 @@ def test_package_respects_import_contract(package: str) -> None:
                 if name == banned or name.startswith(banned + "."):
                     violations.append(f"{f.relative_to(PKG.parent)} imports {name}")
     assert not violations, "\n".join(violations)
+
+
+# What a process that only reads layers must not load (memory: each process imports its code once
+# and keeps it; peak RSS of the daemon plus a mount is a benchmark target). The daemon resolves
+# layers and collects cache garbage without the reader; neither process writes layers.
+NOT_LOADED = {
+    "snapshotter.daemon": {"snapshotter.reader.layer", "snapshotter.formats.estargz_writer",
+                           "snapshotter.formats.rafs_writer"},
+    "snapshotter.fusefs.process": {"snapshotter.formats.estargz_writer", "snapshotter.formats.rafs_writer"},
+}
+
+
+@pytest.mark.parametrize("entry", sorted(NOT_LOADED))
+def test_a_reading_process_does_not_load_what_it_never_runs(entry: str) -> None:
+    code = (f"import sys, {entry}\n"
+            f"print(sorted(m for m in {sorted(NOT_LOADED[entry])!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=PKG.parent, check=True).stdout
+    assert out.strip() == "[]", f"importing {entry} loads {out.strip()}"

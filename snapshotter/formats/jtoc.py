@@ -122,6 +122,10 @@ def load_toc_json(text: str, what: str) -> dict[str, Any]:
 
 _Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT)]
 _Id = Annotated[int, msgspec.Meta(ge=0, le=MAX_ID)]
+# The types a TOC entry may have, as a Literal so the typed decoder gives every entry of a type the
+# same string (one per entry cost 0.5 MB for 11k entries). Others are read the loose way, whose
+# reader names them.
+_TocType = Literal["", "chunk", "dir", "reg", "symlink", "hardlink", "char", "block", "fifo"]
 
 
 class RawEntry(msgspec.Struct, gc=False):
@@ -131,7 +135,7 @@ class RawEntry(msgspec.Struct, gc=False):
     made of it, and `read_entries` checks each field it uses either way."""
 
     name: str = ""
-    type: str = ""
+    type: _TocType = ""
     size: _Count = 0
     modtime: str = ""
     linkName: str = ""
@@ -419,6 +423,8 @@ def read_entries(raws: list[RawEntry | None], what: str, dialect: JtocDialect) -
                 rc = _chunk(raw, at, dialect)
                 if rc.file_offset != 0:
                     raise FormatError(f"{at}: first chunk starts at file offset {rc.file_offset}")
+                if rc.digest is not None and rc.digest == p.digest:
+                    rc.digest = p.digest  # one string for a one-chunk file's two equal digests (~1 MiB per 10k files)
                 p.chunks.append(rc)
                 offsets.add(rc.blob_offset)
                 if end_offsets:

@@ -26,12 +26,15 @@ import struct
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 from snapshotter.errors import FormatError, LimitExceeded
 from snapshotter.formats import rafs_layout as L
 from snapshotter.formats.index import NO_XATTRS, Chunk, Compression, Entry, EntryType, LayerIndex
 from snapshotter.gcpause import gc_paused
+
+if TYPE_CHECKING:
+    from snapshotter.formats.rafs_writer import NydusResult, write_nydus
 
 __all__ = [
     "RAFS_MAX_CHUNK_SIZE",
@@ -592,4 +595,14 @@ def parse_bootstrap(data: bytes, *, max_bootstrap_bytes: int, ci_arrays: Mapping
                       prefetch=tuple(prefetch))
 
 
-from snapshotter.formats.rafs_writer import NydusResult, write_nydus  # noqa: E402
+
+def __getattr__(name: str) -> Any:
+    # The writer's names, imported on first use: the daemon and the mount processes only read
+    # bootstraps, and the writer is 0.5 MiB of each one's memory.
+    if name in ("NydusResult", "write_nydus"):
+        from snapshotter.formats import rafs_writer
+
+        value = getattr(rafs_writer, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from snapshotter.cache.keys import blob_key, group_key, is_digest_key
+from snapshotter.cache.keys import is_digest_key
 from snapshotter.cache.store import ChunkCache
 from snapshotter.errors import (
     CacheError,
@@ -63,10 +63,12 @@ from snapshotter.formats.codec import DEFAULT_PIECE, Buffer
 from snapshotter.formats.digest import check_digest
 from snapshotter.formats.index import Chunk, Compression, Entry, EntryType
 from snapshotter.reader.budget import ByteBudget
+from snapshotter.reader.causes import FETCH_CAUSES
+from snapshotter.reader.keys import chunk_key
 from snapshotter.reader.neighbours import BlobOrder
 from snapshotter.reader.runstream import CacheTarget, ChunkOutcome, MemoryTarget, RunDecoder, TargetFactory
 from snapshotter.reader.source import RangeSource, StreamingRangeSource
-from snapshotter.reader.units import UNIT_BYTES, ChunkGroup, decode_unit, is_verified, units, units_for
+from snapshotter.reader.units import UNIT_BYTES, decode_unit, is_verified, units, units_for
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +83,8 @@ AMPLIFY_MAX_GAP = 16 << 10
 AMPLIFY_FREE_MISSES = 8
 AMPLIFY_FIRST_BYTES = 64 << 10
 AMPLIFY_BURST_SECONDS = 1.0
-# Why bytes are being fetched: "on_demand" (a read), "prefetch" (`prefetch()`), "background"
-# (read-ahead). Trio tasks inherit the context of the task that starts them, so a fetch led on
-# behalf of a prefetch or a read-ahead is counted under that cause.
-FETCH_CAUSES = ("on_demand", "prefetch", "background")
+# Why bytes are being fetched (FETCH_CAUSES). Trio tasks inherit the context of the task that
+# starts them, so a fetch led on behalf of a prefetch or a read-ahead is counted under that cause.
 _CAUSE: contextvars.ContextVar[str] = contextvars.ContextVar("fetch_cause", default="on_demand")
 
 
@@ -122,41 +122,6 @@ def describe_source(source: object, blob: int) -> str:
     """Where a RangeSource reads from, for log lines: "REGISTRY/REPOSITORY" for the registry."""
     repo = getattr(source, "repo", None)
     return str(repo) if repo else type(source).__name__
-
-
-def chunk_key(chunk: Chunk, blobs: Sequence[str]) -> str:
-    """The cache key of a chunk: its digest (lowercased), or, for formats that record none, its
-    position in its blob (`blobs[chunk.blob_index]`, as in `LayerIndex.blobs`).
-
-    A read unit of several chunks (ChunkGroup) is keyed by its parts' digests (`group_key`).
-    The daemon lists the keys live snapshots reference for `ChunkCache.gc` with `cache_keys`.
-    FormatError for digests the cache cannot address (algorithms other than sha256/blake3).
-    """
-    if isinstance(chunk, ChunkGroup):
-        return group_key(chunk_key(p, blobs) for p in chunk.parts)
-    if chunk.digest is not None:
-        d = chunk.digest
-        key = d if d.islower() else d.lower()  # most are lowercase already: no copy of each
-        if not is_digest_key(key):
-            raise FormatError(f"chunk at blob offset {chunk.blob_offset}: unsupported digest {chunk.digest!r}")
-        return key
-    try:
-        blob = blobs[chunk.blob_index]
-    except IndexError:
-        raise FormatError(f"chunk refers to blob number {chunk.blob_index} of {len(blobs)}") from None
-    return blob_key(blob, chunk.blob_offset, chunk.inner_offset, chunk.size)
-
-
-def cache_keys(entry: Entry, blobs: Sequence[str], unit_bytes: int = UNIT_BYTES) -> Iterator[str]:
-    """Every key a reader may cache a regular file's bytes under: its chunks' keys and, where
-    small chunks are grouped into read units (reader/units.py; `unit_bytes` as the readers'),
-    the units' keys. What the daemon keeps of a live layer when it collects garbage."""
-    for c in entry.chunks:
-        yield chunk_key(c, blobs)
-    if len(entry.chunks) > 1:
-        for u in units(entry, unit_bytes):
-            if isinstance(u, ChunkGroup):
-                yield chunk_key(u, blobs)
 
 
 @dataclass(frozen=True)

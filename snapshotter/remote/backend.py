@@ -38,7 +38,7 @@ from snapshotter.fetch.auth import AuthError
 from snapshotter.fetch.client import RegistryClient, counting_bytes
 from snapshotter.fetch.reference import parse_reference
 from snapshotter.formats.metadata_parse import MetadataParse
-from snapshotter.reader import cache_keys
+from snapshotter.reader.keys import cache_keys
 from snapshotter.remote.claims import LayerClaims
 from snapshotter.remote.labels import (
     REMOTE_LABEL,

@@ -17,7 +17,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from snapshotter.reader.layer import FETCH_CAUSES
+from snapshotter.reader.causes import FETCH_CAUSES
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from snapshotter.errors import FormatError
-from snapshotter.formats import jtoc
+from snapshotter.formats import estargz, jtoc
 from snapshotter.formats.estargz_writer import write_estargz
 
 names = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
@@ -114,7 +114,8 @@ def test_ordinary_tocs_take_the_typed_decoder() -> None:
             setattr(ti, k, v)
         return ti
 
-    src = _tar([(info("etc", tarfile.DIRTYPE), b""),
+    src = _tar([(info("etc", tarfile.DIRTYPE), b""), (info("fifo", tarfile.FIFOTYPE), b""),
+                (info("dev-sda", tarfile.BLKTYPE, devmajor=8, devminor=0), b""),
                 (info("etc/passwd", tarfile.REGTYPE, pax_headers={"SCHILY.xattr.user.a": "b"}), b"root:x:0:0\n"),
                 (info("etc/big", tarfile.REGTYPE), bytes(range(256)) * 600),
                 (info("etc/link", tarfile.SYMTYPE, linkname="passwd"), b""),
@@ -130,4 +131,24 @@ def test_ordinary_tocs_take_the_typed_decoder() -> None:
     assert typed is not None
     assert typed == jtoc.decode_toc_loose(data, "layer x")
     kinds = {e.type for e in typed.entries if e is not None}
-    assert kinds == {"dir", "reg", "chunk", "symlink", "hardlink", "char"}
+    assert kinds == {"dir", "reg", "chunk", "symlink", "hardlink", "char", "block", "fifo"}
+    # One string per type, not one per entry (memory of a 100k-entry TOC).
+    regs = [e for e in typed.entries if e is not None and e.type == "reg"]
+    assert len(regs) > 1 and all(e.type is regs[0].type for e in regs)
+
+
+def test_a_one_chunk_files_two_equal_digests_are_one_string() -> None:
+    """A one-chunk file's chunkDigest equals its digest: the index keeps one string of the two."""
+    src = _tar([(tarfile.TarInfo(f"f{i}"), b"x%d" % i) for i in range(3)])
+    out = io.BytesIO()
+    write_estargz(src, out)
+    blob = out.getvalue()
+    footer = estargz.parse_footer(blob[-estargz.FOOTER_SIZE:])
+    offset, length = estargz.toc_range(footer, len(blob))
+    index = estargz.parse_toc(blob[offset:offset + length], blob_size=len(blob), layer_digest="sha256:" + "0" * 64,
+                              max_toc_bytes=1 << 20)
+    files = [e for e in index.entries if e.name.startswith("f")]
+    assert len(files) == 3
+    for e in files:
+        assert len(e.chunks) == 1 and e.digest is not None
+        assert e.chunks[0].digest == e.digest and e.chunks[0].digest is e.digest
