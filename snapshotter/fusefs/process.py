@@ -360,12 +360,31 @@ class MetaWriter:
         return gate.active > 0 or trio.current_time() - max(gate.last_end, began) < quiet
 
 
-def await_assignment(stdin: BinaryIO) -> Assignment | None:
+def _replier(fd: int | None) -> Callable[[dict[str, object]], None]:
+    """Answers to the daemon's preloads, one JSON line each on `fd` (its reply pipe), never
+    blocking long: a line is far shorter than PIPE_BUF, so it is written whole."""
+    def reply(answer: dict[str, object]) -> None:
+        if fd is None:
+            log.warning("event=preload_reply_dropped id=%s reason=no --reply-fd", answer.get("id"))
+            return
+        try:
+            os.write(fd, json.dumps(answer).encode() + b"\n")
+        except OSError as exc:  # the daemon is gone: it parses nothing more either
+            log.warning("event=preload_reply_failed id=%s error=%s", answer.get("id"), exc)
+    return reply
+
+
+def await_assignment(stdin: BinaryIO, reply_fd: int | None = None) -> Assignment | None:
     """The spare's wait (fusefs/spare.py: preloads, then one line {"state": PATH, "log": PATH} on
     `stdin`), or None at end of input. Takes the assignment: stdout/stderr go to the log file,
     stdin to /dev/null, and the working directory becomes the state file's directory (how the
-    daemon recognises this process later)."""
-    found = wait_for_assignment(stdin)
+    daemon recognises this process later). reply_fd: the daemon's reply pipe (remote/spare_replies.py),
+    closed here once the wait ends, so no answer is awaited from this process afterwards."""
+    try:
+        found = wait_for_assignment(stdin, reply=_replier(reply_fd))
+    finally:
+        if reply_fd is not None:
+            os.close(reply_fd)
     if found is None:
         return None
     if found.log:
@@ -385,6 +404,8 @@ def main(argv: Sequence[str] | None = None, *, reader_kinds: Mapping[str, Reader
     parser.add_argument("state_file", nargs="?", help="JSON state file written by the daemon")
     parser.add_argument("--spare", action="store_true",
                         help="start up, then wait for the state file's path on stdin (see remote/mounts.py)")
+    parser.add_argument("--reply-fd", type=int, help="with --spare: the pipe on which preloads that ask for their "
+                        "index are answered (remote/spare_replies.py)")
     parser.add_argument("--log-level", default=os.environ.get("SNAPSHOTTER_FUSE_LOG", "INFO"))
     parser.add_argument("--log-format", choices=["text", "json"], default="text",
                         help="text (key=value) or json, as the daemon's log_format")
@@ -412,7 +433,9 @@ def main(argv: Sequence[str] | None = None, *, reader_kinds: Mapping[str, Reader
         # test that wants an idle daemon waits for this line in ROOT/mounts/spare.log.
         log.info("event=spare_waiting pid=%d", os.getpid())
         try:
-            found = await_assignment(sys.stdin.buffer)
+            if args.reply_fd is not None:
+                os.set_inheritable(args.reply_fd, False)  # not into the metadata image writer
+            found = await_assignment(sys.stdin.buffer, args.reply_fd)
         except (OSError, ConfigError) as exc:
             log.error("%s", exc)
             return 2

@@ -19,6 +19,10 @@ its tree as one run of remote layers (the usual mount: every layer lazy) is buil
 for exactly that tree, by parse keys and options, starts from it (`Prebuilt`).
 A preload that fails (damaged file, bad metadata) is logged and dropped: the daemon's own parse
 decides what the layer is. Kept at most PRELOAD_TTL seconds and MAX_PRELOADS indexes.
+A preload with "index_out" and "id" asks for the index too: once parsed, it is written there
+(index_codec, synced, then renamed into place) and `reply` is called with {"id", "ok": true,
+"toc_digest"}, so the daemon persists it instead of parsing the bytes again; a preload skipped,
+failed or not written is answered {"id", "ok": false, "why"} (remote/spare_replies.py).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import Any, BinaryIO
 
 from snapshotter.errors import ConfigError, SnapshotterError
 from snapshotter.formats.index import LayerIndex
+from snapshotter.formats.index_codec import dump_index
 from snapshotter.formats.metadata_parse import MetadataParse, parse_metadata
 from snapshotter.fusefs.tree import MountTree, build_tree
 from snapshotter.gcpause import gc_paused
@@ -170,10 +175,35 @@ def _take_data(path: str) -> bytes:
             pass
 
 
+Reply = Callable[[dict[str, object]], None]
+
+
+def _no_reply(answer: dict[str, object]) -> None:
+    log.warning("event=preload_reply_dropped id=%s reason=no reply channel", answer.get("id"))
+
+
+def write_index_file(path: str, index: LayerIndex) -> None:
+    """`index` in index_codec form at `path`: written to a temp name beside it, synced, renamed."""
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(dump_index(index))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
 def wait_for_assignment(stdin: BinaryIO, *, parse: Callable[[MetadataParse, bytes], LayerIndex] = parse_metadata,
-                        clock: Callable[[], float] = time.monotonic) -> Assignment | None:
+                        clock: Callable[[], float] = time.monotonic, reply: Reply = _no_reply) -> Assignment | None:
     """Read `stdin` until the assignment (returned, with the preloaded indexes) or its end (None).
-    A bad assignment line is a ConfigError; a bad preload is logged and dropped."""
+    A bad assignment line is a ConfigError; a bad preload is logged and dropped. reply: how a
+    preload that asked for its index is answered (the daemon's reply pipe)."""
     lines: queue.Queue[object] = queue.Queue()
     assigned = threading.Event()
     threading.Thread(target=_read_lines, args=(stdin, lines, assigned), name="spare-stdin", daemon=True).start()
@@ -195,33 +225,54 @@ def wait_for_assignment(stdin: BinaryIO, *, parse: Callable[[MetadataParse, byte
         if not _is_preload(doc):
             return preloads.assignment(_assignment(doc, line))
         assert isinstance(doc, dict)
-        _preload(doc, line, preloads, skip=assigned.is_set(), parse=parse)
+        _preload(doc, line, preloads, skip=assigned.is_set(), parse=parse, reply=reply)
 
 
 def _preload(doc: dict[str, Any], line: bytes, preloads: _Preloads, *, skip: bool,
-             parse: Callable[[MetadataParse, bytes], LayerIndex]) -> None:
+             parse: Callable[[MetadataParse, bytes], LayerIndex], reply: Reply) -> None:
+    answer_id = doc.get("id")
+    index_out = doc.get("index_out")
+    wants_index = type(answer_id) is int and isinstance(index_out, str)
+
+    def decline(why: str) -> None:
+        if wants_index:
+            reply({"id": answer_id, "ok": False, "why": why})
+
     try:
         path = str(doc["data"])
         p = MetadataParse.from_doc(doc["preload"])
         layers = tuple(str(d) for d in doc.get("layers", ()))
     except (ValueError, KeyError, TypeError, SnapshotterError) as exc:
         log.warning("event=preload_bad line=%r error=%s", line[:200], exc)
+        decline(f"bad preload: {exc}")
         return
     began = preloads.clock()
     try:
         data = _take_data(path)
         if skip:  # the mount is waiting: its persisted indexes load faster than this parses
             log.info("event=preload_skipped layer=%s reason=assigned", p.layer_digest)
+            decline("skipped: handed a mount")
             return
         key = p.key(data)
         with gc_paused():
             index = parse(p, data)
     except (OSError, SnapshotterError) as exc:
         log.info("event=preload_failed layer=%s error=%r", p.layer_digest, str(exc))
+        decline(f"parse failed: {exc}")
         return
     del data
-    log.info("event=preloaded layer=%s entries=%d seconds=%.3f", p.layer_digest, len(index.entries),
-             preloads.clock() - began)
+    if wants_index:
+        assert isinstance(index_out, str)
+        try:
+            with gc_paused():
+                write_index_file(index_out, index)
+        except OSError as exc:
+            log.warning("event=preload_index_unwritten layer=%s path=%s error=%s", p.layer_digest, index_out, exc)
+            decline(f"index not written: {exc}")
+        else:
+            reply({"id": answer_id, "ok": True, "toc_digest": index.toc_digest})
+    log.info("event=preloaded layer=%s entries=%d seconds=%.3f index_out=%s", p.layer_digest, len(index.entries),
+             preloads.clock() - began, "yes" if wants_index else "no")
     with gc_paused():  # the tree is object building without cycles, as in the mount (process.py)
         preloads.add(p.layer_digest, key, index, layers)
     # What was parsed lives until the mount (or PRELOAD_TTL): later collections need not scan it.

@@ -51,6 +51,7 @@ from snapshotter.remote.resolve_ahead import ResolveAhead, may_be_cut
 from snapshotter.remote.resolve_loop import ResolveLoop
 from snapshotter.remote.resolver import NYDUS_BLOB_FORMAT, NotLazy, ResolvedLayer, resolve_layer
 from snapshotter.remote.settings import fetch_config_from
+from snapshotter.remote.spare_replies import SpareWait
 from snapshotter.remote.store import LayerMeta, LayerStore, blob_digests
 from snapshotter.snapshots.model import Info, LowerDirs, Mount, Snapshot, Usage
 from snapshotter.snapshots.service import Snapshotter
@@ -85,7 +86,8 @@ class Mounter(Protocol):
     def mounted_ids(self) -> set[str]: ...
     def metadata_dir(self, mount_id: str) -> str | None: ...
     def prune_metadata_images(self) -> list[str]: ...
-    def preload(self, parse: MetadataParse, data: bytes, key: str, image_layers: tuple[str, ...] = ()) -> None: ...
+    def preload(self, parse: MetadataParse, data: bytes, key: str, image_layers: tuple[str, ...] = (), *,
+                want_index: bool = False) -> SpareWait | None: ...
 
 
 def fallback_reason(exc: BaseException) -> str:
@@ -173,8 +175,10 @@ class RemoteBackend:
             return meta.format, 0, 0
         bootstrap_cap = self.config.limits.max_bootstrap_bytes if max_bootstrap_bytes is None else max_bootstrap_bytes
 
-        def preload(parse: MetadataParse, data: bytes, key: str, image_layers: tuple[str, ...]) -> None:
-            self.mounter.preload(parse, data, key, image_layers if whole_image else ())
+        def preload(parse: MetadataParse, data: bytes, key: str, image_layers: tuple[str, ...]) -> SpareWait | None:
+            # The spare parses these bytes anyway; its index, when it gives one, spares the daemon
+            # the parse's memory peak (remote/spare_replies.py).
+            return self.mounter.preload(parse, data, key, image_layers if whole_image else (), want_index=True)
 
         async def job(client: RegistryClient) -> tuple[ResolvedLayer, int]:
             with counting_bytes() as fetched:
@@ -188,8 +192,12 @@ class RemoteBackend:
             return resolved, fetched[0]
 
         resolved, fetched = self.resolve_loop.run(job)  # parsing ran in the loop; saving runs here
-        self.layers.save(LayerMeta(ref.layer_digest, resolved.format, resolved.blob_size, ref.image_ref,
-                                   resolved.index.toc_digest, resolved.parse_key), resolved.index)
+        meta = LayerMeta(ref.layer_digest, resolved.format, resolved.blob_size, ref.image_ref,
+                         resolved.parsed.toc_digest, resolved.parse_key)
+        if resolved.parsed.index_file is not None:
+            self.layers.adopt(meta, resolved.parsed.index_file)
+        else:
+            self.layers.save(meta, resolved.index)
         return resolved.format, fetched, resolved.metadata_bytes
 
     def _try_remote(self, target: str, parent: str, labels: Mapping[str, str]) -> bool:

@@ -12,6 +12,7 @@
     ROOT/mounts/<mount id>/meta         the mount's metadata image, mounted (config `metadata_image`)
     ROOT/mounts/spare.log               stderr of the spare mount process until it is given a mount
     ROOT/mounts/preload/<key>           a layer's metadata bytes, handed to the spare to parse ahead
+    ROOT/mounts/preload/<key>.<n>.index the index the spare parsed from them, when asked for it
 
 Metadata image (remote/metaimages.py): the state file names where the mount's tree's metadata
 image belongs ("meta_image"); the mount process writes it once quiet (or as it stops), unless it
@@ -37,6 +38,9 @@ handed the same bytes (a file under ROOT/mounts/preload and a line {"preload": M
 parse key, and the spare, once handed a mount, uses the indexes it parsed instead of loading the
 persisted ones. The daemon's Prepare and the mount's readiness no longer run one after the other
 (fusefs/spare.py). Only an optimization: a preload that cannot be handed over is dropped.
+A preload may also ask the spare for the index it parses ("index_out", `want_index`): the spare
+writes it there and answers on its reply pipe (remote/spare_replies.py), and the daemon persists
+that file instead of parsing the bytes itself; without an answer the daemon parses, as before.
 
 A mount process runs in its own session (not in the daemon's process group), so a daemon
 restart or SIGKILL leaves it serving; the next daemon adopts it when its pid is alive, is a
@@ -49,6 +53,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -65,10 +70,11 @@ from typing import Any
 from snapshotter import metrics
 from snapshotter.config import Config
 from snapshotter.errors import SnapshotterError
-from snapshotter.formats.metadata_parse import MetadataParse
+from snapshotter.formats.metadata_parse import NYDUS_BLOB, MetadataParse
 from snapshotter.mountinfo import is_mountpoint
 from snapshotter.remote.backend import RemoteLayer
 from snapshotter.remote.metaimages import META_DIR, MetaImages, key_of
+from snapshotter.remote.spare_replies import SpareReplies, SpareWait
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +164,7 @@ class MountManager:
         self._reported_dead: set[tuple[str, int]] = set()
         self._spare_lock = threading.Lock()  # guards the three below; never held while waiting on a mount
         self._spare: subprocess.Popen[bytes] | None = None
+        self._spare_replies: SpareReplies | None = None  # the waiting spare's answers (spare_replies.py)
         self._spare_timer: threading.Timer | None = None
         self._spare_io = threading.Lock()  # one writer of the spare's stdin at a time (whole lines)
         self._closed = False
@@ -350,33 +357,46 @@ class MountManager:
                 if last:
                     spare.stdin.close()
 
-    def preload(self, parse: MetadataParse, data: bytes, key: str, image_layers: tuple[str, ...] = ()) -> None:
+    def preload(self, parse: MetadataParse, data: bytes, key: str, image_layers: tuple[str, ...] = (), *,
+                want_index: bool = False) -> SpareWait | None:
         """Hand the waiting spare a layer's metadata to parse while the daemon parses it too (see
         the module docstring); key: `parse.key(data)`; image_layers: for an image's lowest layer, the image's layers
         (the spare builds the image's tree once it has them all), else empty. Never blocks, never raises: without a
-        spare, or on any failure, the preload is dropped and the mount loads the persisted index."""
+        spare, or on any failure, the preload is dropped and the mount loads the persisted index.
+        want_index: ask the spare to write the index it parses to a file and say so; returned is then
+        the wait for that answer (None: not asked, because there is nothing to parse or no spare took it)."""
         if not self.config.preload_metadata:
-            return
+            return None
         with self._spare_lock:
-            spare = self._spare
+            spare, replies = self._spare, self._spare_replies
         if spare is None or spare.poll() is not None or len(data) > PRELOAD_MAX_BYTES:
-            return
+            return None
         path = self.preload_dir / key
+        doc: dict[str, object] = {"preload": parse.to_doc(), "data": str(path), "layers": list(image_layers)}
+        index_out: Path | None = None
+        if want_index and replies is not None and not replies.closed and parse.kind != NYDUS_BLOB:
+            answer_id = replies.new_id()
+            index_out = self.preload_dir / f"{key}.{answer_id}.index"
+            doc.update(index_out=str(index_out), id=answer_id)
         try:
             self.preload_dir.mkdir(exist_ok=True)
             tmp = path.with_suffix(".tmp")
             tmp.write_bytes(data)  # not synced: it lives until the spare reads it, seconds at most
             os.replace(tmp, path)
-            self._tell_spare(spare, {"preload": parse.to_doc(), "data": str(path), "layers": list(image_layers)})
+            self._tell_spare(spare, doc)
         except (OSError, ValueError) as exc:  # ValueError: its stdin closed under us (handed a mount)
             path.unlink(missing_ok=True)
             log.debug("event=preload_dropped layer=%s error=%s", parse.layer_digest, exc)
-            return
+            return None
         log.debug("event=preload layer=%s bytes=%d spare=%d", parse.layer_digest, len(data), spare.pid)
+        if index_out is None or replies is None:
+            return None
+        return functools.partial(replies.wait, answer_id, index_out)
 
     def _take_spare(self) -> subprocess.Popen[bytes] | None:
         with self._spare_lock:
             spare, self._spare = self._spare, None
+            self._spare_replies = None  # its waits go on: the spare answers them or closes the pipe
         if spare is not None and spare.poll() is not None:
             log.warning("event=spare_died pid=%d status=%s; see %s", spare.pid, spare.returncode,
                         self.dir / SPARE_LOG)
@@ -400,13 +420,23 @@ class MountManager:
             if self._closed or (self._spare is not None and self._spare.poll() is None):
                 return
             try:
-                with open(self.dir / SPARE_LOG, "ab") as log_out:
-                    self._spare = subprocess.Popen(self._command("--spare"), stdin=subprocess.PIPE, stdout=log_out,
-                                                   stderr=log_out, start_new_session=True, close_fds=True,
-                                                   cwd=self.dir)
+                reply_read, reply_write = os.pipe()
             except OSError as exc:
                 log.warning("event=spare_failed error=%s; mounts start their own process", exc)
                 return
+            try:
+                with open(self.dir / SPARE_LOG, "ab") as log_out:
+                    self._spare = subprocess.Popen(self._command("--spare", "--reply-fd", str(reply_write)),
+                                                   stdin=subprocess.PIPE, stdout=log_out, stderr=log_out,
+                                                   start_new_session=True, close_fds=True, pass_fds=(reply_write,),
+                                                   cwd=self.dir)
+            except OSError as exc:
+                os.close(reply_read)
+                log.warning("event=spare_failed error=%s; mounts start their own process", exc)
+                return
+            finally:
+                os.close(reply_write)
+            self._spare_replies = SpareReplies(reply_read, self._spare.pid)
         log.debug("event=spare_started pid=%d", self._spare.pid)
 
     def close(self) -> None:
@@ -417,6 +447,7 @@ class MountManager:
             if self._spare_timer is not None:
                 self._spare_timer.cancel()
             spare, self._spare = self._spare, None
+            self._spare_replies = None
         if spare is not None:
             if spare.stdin is not None:
                 spare.stdin.close()

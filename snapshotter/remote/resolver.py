@@ -18,6 +18,7 @@ import functools
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import trio
@@ -36,6 +37,7 @@ from snapshotter.formats.metadata_parse import (
     position_doc,
 )
 from snapshotter.remote.labels import LayerRef
+from snapshotter.remote.spare_replies import SpareWait
 
 TAIL_BYTES = 64 * 1024
 # A bootstrap layer up to this size is fetched in one round trip (no HEAD first). About 60 bytes
@@ -45,8 +47,12 @@ BOOTSTRAP_FIRST_READ = 8 << 20
 # Told of a layer's metadata bytes and how they parse, just before the daemon parses them, with
 # the image's layers from this one up (the spare mount process parses the same bytes meanwhile
 # and, from the lowest layer's list, builds the image's tree ahead: remote/mounts.py preload).
-# Must not block.
-OnMetadata = Callable[[MetadataParse, bytes, str, tuple[str, ...]], None]  # (parse, data, its key, layers)
+# Must not block. May return a wait for the spare's own parse of them (remote/spare_replies.py):
+# when it gives the index, the daemon does not parse.
+OnMetadata = Callable[[MetadataParse, bytes, str, tuple[str, ...]], SpareWait | None]  # (parse, data, its key, layers)
+# How long a resolve waits for the spare's parse before parsing itself (the spare is stuck or
+# busy; it parses 11,000 TOC entries in about 0.1 s); never more than half the resolve's time left.
+SPARE_PARSE_WAIT = 10.0
 
 
 class NotLazy(SnapshotterError):
@@ -54,17 +60,40 @@ class NotLazy(SnapshotterError):
 
 
 @dataclass(frozen=True)
+class ParsedMetadata:
+    """A layer's parsed metadata: its index here (`index`), or, parsed by the spare mount process,
+    in `index_file` (index_codec form; the caller owns the file). toc_digest: the index's."""
+
+    index: LayerIndex | None
+    toc_digest: str | None
+    index_file: Path | None = None
+
+    @classmethod
+    def of(cls, index: LayerIndex) -> ParsedMetadata:
+        return cls(index, index.toc_digest)
+
+
+@dataclass(frozen=True)
 class ResolvedLayer:
     """metadata_bytes: the bytes of the blob the format needs for the tree (footer + TOC, or the
     whole bootstrap layer); what was fetched may be more (the tail read is fixed-size).
-    parse_key: `MetadataParse.key` of the parse that made `index` (None: nothing was parsed)."""
+    parse_key: `MetadataParse.key` of the parse that made the index (None: nothing was parsed)."""
 
     ref: LayerRef
     format: str
     blob_size: int
-    index: LayerIndex
+    parsed: ParsedMetadata
     metadata_bytes: int = 0
     parse_key: str | None = None
+
+    @property
+    def index(self) -> LayerIndex:
+        """The index, when this process parsed it (always, without an `on_metadata` that hands
+        the parse to the spare); else a ValueError: it is in `parsed.index_file`."""
+        if self.parsed.index is None:
+            raise ValueError(f"layer {self.ref.layer_digest}: its index was parsed by the spare, "
+                             f"into {self.parsed.index_file}")
+        return self.parsed.index
 
 
 T = TypeVar("T")
@@ -84,9 +113,9 @@ async def _range(client: RegistryClient, ref: LayerRef, tail: bytes, tail_start:
     return bytes(await client.read_range(ref.image_ref, ref.layer_digest, offset, length))
 
 
-def _check_toc_digest(ref: LayerRef, index: LayerIndex) -> None:
-    if ref.toc_digest and index.toc_digest and ref.toc_digest != index.toc_digest:
-        raise DigestMismatch(f"layer {ref.layer_digest}: TOC digest is {index.toc_digest}, the image's "
+def _check_toc_digest(ref: LayerRef, toc_digest: str | None) -> None:
+    if ref.toc_digest and toc_digest and ref.toc_digest != toc_digest:
+        raise DigestMismatch(f"layer {ref.layer_digest}: TOC digest is {toc_digest}, the image's "
                              f"annotation says {ref.toc_digest}")
 
 
@@ -94,15 +123,29 @@ NYDUS_BLOB_FORMAT = NYDUS_BLOB
 
 
 async def _parse(ref: LayerRef, p: MetadataParse, data: bytes, on_metadata: OnMetadata | None,
-                 expected_toc_digest: str | None = None) -> tuple[LayerIndex, str]:
-    """(index, parse key) of `data`, parsed off the loop; `on_metadata` is told first."""
+                 expected_toc_digest: str | None = None) -> tuple[ParsedMetadata, str]:
+    """(parse, parse key) of `data`: `on_metadata` is told first; then the spare's parse, if it
+    was handed the bytes and gives one in SPARE_PARSE_WAIT, else the daemon's, off the loop.
+    expected_toc_digest is checked either way."""
     key = p.key(data)
-    if on_metadata is not None:
-        on_metadata(p, data, key, ref.image_layers)
+    spare_wait = on_metadata(p, data, key, ref.image_layers) if on_metadata is not None else None
     if p.kind == NYDUS_BLOB:  # nothing to parse
-        return parse_metadata(p, data), key
+        return ParsedMetadata.of(parse_metadata(p, data)), key
+    if spare_wait is not None:
+        # At most half of what the resolve has left: a stuck spare must not turn into a fallback.
+        left = trio.current_effective_deadline() - trio.current_time()
+        by_spare = await trio.to_thread.run_sync(spare_wait, max(0.0, min(SPARE_PARSE_WAIT, left / 2)),
+                                                 abandon_on_cancel=True)
+        if by_spare is not None:
+            if expected_toc_digest is not None:
+                try:
+                    _check_toc_digest(ref, by_spare.toc_digest)
+                except DigestMismatch:
+                    by_spare.index_file.unlink(missing_ok=True)
+                    raise
+            return ParsedMetadata(None, by_spare.toc_digest, by_spare.index_file), key
     index = await _off_loop(parse_metadata, p, data, expected_toc_digest=expected_toc_digest)
-    return index, key
+    return ParsedMetadata.of(index), key
 
 
 async def _resolve_nydus(client: RegistryClient, ref: LayerRef, *, max_bootstrap_bytes: int,
@@ -112,8 +155,8 @@ async def _resolve_nydus(client: RegistryClient, ref: LayerRef, *, max_bootstrap
     if ref.nydus_blob:
         size = await client.blob_size(ref.image_ref, ref.layer_digest)
         p = MetadataParse(NYDUS_BLOB, ref.layer_digest, size, 0)
-        index, key = await _parse(ref, p, b"", on_metadata)  # empty: told so the spare knows the whole image
-        return ResolvedLayer(ref, NYDUS_BLOB_FORMAT, size, index, 0, key)
+        parsed, key = await _parse(ref, p, b"", on_metadata)  # empty: told so the spare knows the whole image
+        return ResolvedLayer(ref, NYDUS_BLOB_FORMAT, size, parsed, 0, key)
     first = max(1, min(BOOTSTRAP_FIRST_READ, max_bootstrap_bytes))
     tail, size = await client.read_tail(ref.image_ref, ref.layer_digest, first)
     if size > max_bootstrap_bytes:
@@ -125,8 +168,8 @@ async def _resolve_nydus(client: RegistryClient, ref: LayerRef, *, max_bootstrap
         raise DigestMismatch(f"nydus bootstrap layer {ref.layer_digest}: content does not match its digest")
 
     p = MetadataParse(NYDUS_BOOTSTRAP, ref.layer_digest, size, max_bootstrap_bytes)
-    index, key = await _parse(ref, p, layer, on_metadata)
-    return ResolvedLayer(ref, "nydus", size, index, size, key)
+    parsed, key = await _parse(ref, p, layer, on_metadata)
+    return ResolvedLayer(ref, "nydus", size, parsed, size, key)
 
 
 def tail_request_bytes(ref: LayerRef, max_toc_bytes: int) -> int:
@@ -158,9 +201,9 @@ async def resolve_layer(client: RegistryClient, ref: LayerRef, *, max_toc_bytes:
             raise FormatError(f"layer {ref.layer_digest}: TOC of {length} bytes exceeds limits.max_toc_bytes")
         member = await _range(client, ref, tail, tail_start, offset, length)
         p = MetadataParse(ESTARGZ, ref.layer_digest, size, max_toc_bytes, toc_offset=footer.toc_offset)
-        index, key = await _parse(ref, p, member, on_metadata, expected_toc_digest=ref.toc_digest)
+        parsed, key = await _parse(ref, p, member, on_metadata, expected_toc_digest=ref.toc_digest)
         footer_len = estargz.LEGACY_FOOTER_SIZE if footer.legacy else estargz.FOOTER_SIZE
-        return ResolvedLayer(ref, "stargz" if footer.legacy else "estargz", size, index, length + footer_len, key)
+        return ResolvedLayer(ref, "stargz" if footer.legacy else "estargz", size, parsed, length + footer_len, key)
 
     try:
         position = zstdchunked.parse_footer(tail, blob_size=size)
@@ -172,8 +215,13 @@ async def resolve_layer(client: RegistryClient, ref: LayerRef, *, max_toc_bytes:
                               "exceeds limits.max_toc_bytes")
         compressed = await _range(client, ref, tail, tail_start, position.offset, position.compressed_size)
         p = MetadataParse(ZSTD_CHUNKED, ref.layer_digest, size, max_toc_bytes, position=position_doc(position))
-        index, key = await _parse(ref, p, compressed, on_metadata)
-        _check_toc_digest(ref, index)
-        return ResolvedLayer(ref, "zstdchunked", size, index, size - position.offset, key)
+        parsed, key = await _parse(ref, p, compressed, on_metadata)
+        try:
+            _check_toc_digest(ref, parsed.toc_digest)
+        except DigestMismatch:
+            if parsed.index_file is not None:
+                parsed.index_file.unlink(missing_ok=True)
+            raise
+        return ResolvedLayer(ref, "zstdchunked", size, parsed, size - position.offset, key)
 
     raise NotLazy(f"layer {ref.layer_digest} has no eStargz or zstd:chunked footer (plain gzip/zstd layer?)")

@@ -12,6 +12,7 @@ meta.json is incomplete and is ignored (and rewritten by the next resolve).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -82,6 +83,22 @@ class LayerStore:
         d = self.layer_dir(meta.layer_digest)
         d.mkdir(parents=True, exist_ok=True)
         _write_atomic(d / INDEX_FILE, dump_index(index))
+        (d / LEGACY_INDEX_FILE).unlink(missing_ok=True)
+        _write_atomic(d / "meta.json", json.dumps(asdict(meta), sort_keys=True).encode())
+        return d / INDEX_FILE
+
+    def adopt(self, meta: LayerMeta, index_file: Path) -> Path:
+        """As `save`, with the index already written (index_codec, synced) at `index_file`, e.g. by
+        the spare mount process: it is moved into place (copied, then removed, across file systems)."""
+        d = self.layer_dir(meta.layer_digest)
+        d.mkdir(parents=True, exist_ok=True)
+        try:
+            os.replace(index_file, d / INDEX_FILE)
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise
+            _write_atomic(d / INDEX_FILE, index_file.read_bytes())
+            index_file.unlink(missing_ok=True)
         (d / LEGACY_INDEX_FILE).unlink(missing_ok=True)
         _write_atomic(d / "meta.json", json.dumps(asdict(meta), sort_keys=True).encode())
         return d / INDEX_FILE

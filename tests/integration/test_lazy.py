@@ -26,6 +26,7 @@ import pytest
 
 from integration import cri, images
 from integration.lab import Lab, mount_processes
+from snapshotter.formats.index_codec import load_index
 from snapshotter.remote.mounts import SPARE_LOG as SPARE_LOG_NAME
 
 RICH_BIG = 6 * 1024 * 1024 + 12345  # several 4 MiB eStargz chunks, and an odd tail
@@ -423,8 +424,13 @@ def test_the_spare_parses_a_new_images_layers_while_the_daemon_does(lab: Lab) ->
         assert started is not None
         mount_log = (mounts_dir / SPARE_LOG_NAME).read_text() + "".join(
             p.read_text() for p in mounts_dir.glob("*/log"))
-        for digest in prepared:  # each layer handed to the spare as it was resolved, and parsed there
-            assert f"event=preloaded layer={digest}" in mount_log
+        for digest in prepared:  # each layer handed to the spare as it was resolved, parsed there,
+            # and its index written for the daemon, which stored that file instead of parsing too
+            assert re.search(rf"event=preloaded layer={digest} .*index_out=yes", mount_log), mount_log[-2000:]
+            stored = lab.snapshotter_root / "layers" / digest.removeprefix("sha256:") / "index.bin"
+            assert load_index(stored.read_bytes()).entries, stored
+        assert "event=spare_parse_declined" not in daemon_log, daemon_log[-2000:]
+        assert not list((mounts_dir / "preload").glob("*.index")), "index files left in the preload dir"
         assert "event=tree_built_ahead layers=2" in mount_log
         assert re.search(r"event=tree_built layers=2 .*prebuilt=true", mount_log), mount_log[-2000:]
     finally:

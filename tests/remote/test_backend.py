@@ -20,10 +20,12 @@ from snapshotter.errors import AlreadyExists
 from snapshotter.formats.estargz import write_estargz
 from snapshotter.formats.metadata_parse import MetadataParse, parse_metadata
 from snapshotter.formats.rafs_writer import write_nydus
+from snapshotter.fusefs.spare import write_index_file
 from snapshotter.remote import backend as backend_module
 from snapshotter.remote import resolver as resolver_module
 from snapshotter.remote.backend import RemoteBackend, RemoteLayer
 from snapshotter.remote.labels import REMOTE_LABEL, TARGET_SNAPSHOT_REF
+from snapshotter.remote.spare_replies import SpareParsed, SpareWait
 from snapshotter.snapshots.model import Kind
 from snapshotter.snapshots.service import Snapshotter
 from tests.fetch.registry import RegistryProcess, free_port, push_image
@@ -56,6 +58,7 @@ class FakeMounter:
         self.ahead: dict[str, bool] = {}
         self.plain_http: dict[str, set[str]] = {}
         self.meta: dict[str, str] = {}  # mount id -> its metadata image's mountpoint, once "built"
+        self.spare_parses = False  # answer preloads that ask for the index, as the spare does
         self.pruned = 0  # calls of prune_metadata_images
         self.preloads: list[tuple[MetadataParse, bytes, tuple[str, ...]]] = []  # (parse, data, image layers)
 
@@ -82,9 +85,17 @@ class FakeMounter:
         self.pruned += 1
         return []
 
-    def preload(self, parse: MetadataParse, data: bytes, key: str, image_layers: tuple[str, ...] = ()) -> None:
+    def preload(self, parse: MetadataParse, data: bytes, key: str, image_layers: tuple[str, ...] = (), *,
+                want_index: bool = False) -> SpareWait | None:
         assert key == parse.key(data)
         self.preloads.append((parse, data, image_layers))
+        if not (want_index and self.spare_parses):
+            return None
+        # As the spare: parse, write the index file, answer (remote/spare_replies.py).
+        index = parse_metadata(parse, data)
+        index_file = self.tmp / f"spare-{len(self.preloads)}.index"
+        write_index_file(str(index_file), index)
+        return lambda _timeout: SpareParsed(index_file, index.toc_digest)
 
 
 @pytest.fixture
@@ -199,6 +210,38 @@ def test_layers_above_the_one_prepared_are_resolved_ahead(registry: RegistryProc
         assert parse_metadata(p, data).format == "estargz"
     assert be.layers.meta(l1) is not None and be.layers.meta(l1).parse_key == \
         next(p.key(d) for p, d, _ in mounter.preloads if p.layer_digest == l1)
+
+
+def test_an_index_the_spare_parsed_is_stored_and_the_daemon_does_not_parse(
+        backend: tuple[RemoteBackend, FakeMounter], registry: RegistryProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the spare's parse handed back, the daemon stores that index file (moved, not parsed
+    again); a TOC digest label is checked against it, and a mismatch leaves no file behind."""
+    be, mounter = backend
+    mounter.spare_parses = True
+
+    def no_daemon_parse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the daemon parsed what the spare had parsed")
+
+    monkeypatch.setattr(resolver_module, "parse_metadata", no_daemon_parse)
+    blob, toc_digest = _estargz({"a.txt": b"spare parsed\n" * 100, "b/c": b"x"})
+    image = push_image(registry.url, "lazy/spareparsed", "v1", [blob])
+    (layer,) = image.layers
+    with pytest.raises(AlreadyExists):
+        be.prepare("default/1/extract-1", "", _labels(image.ref, layer, "sha256:sp1", **{
+            "containerd.io/snapshot/stargz/toc.digest": toc_digest}))
+    stored = be.layers.load(layer)
+    p, data, _layers = mounter.preloads[0]
+    assert stored == parse_metadata(p, data)
+    meta = be.layers.meta(layer)
+    assert meta is not None and meta.toc_digest == toc_digest and meta.parse_key == p.key(data)
+    assert not list(mounter.tmp.glob("spare-*.index"))  # moved into the layer store
+    # The same bytes under another layer's label with a wrong TOC digest: refused, file removed.
+    other = push_image(registry.url, "lazy/spareparsed2", "v1", [_estargz({"z": b"other"})[0]])
+    (other_layer,) = other.layers
+    be.prepare("default/2/extract-1", "", _labels(other.ref, other_layer, "sha256:sp2", **{
+        "containerd.io/snapshot/stargz/toc.digest": "sha256:" + "0" * 64}))
+    assert be.layers.meta(other_layer) is None
+    assert not list(mounter.tmp.glob("spare-*.index"))
 
 
 def _pull_first_of_two(be: RemoteBackend, registry: RegistryProcess, repo: str, tag: str) -> tuple[str, str, str]:
@@ -517,3 +560,30 @@ def test_cleanup_collects_chunks_and_indexes_no_snapshot_references(
     finally:
         cache.close()
     assert be.layers.meta(digest) is None
+
+
+def test_a_spare_that_gives_no_index_leaves_the_parse_to_the_daemon(
+        backend: tuple[RemoteBackend, FakeMounter], registry: RegistryProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wait that ends without an index (the spare declined, died, or is stuck) costs at most
+    half the resolve's time, and the daemon parses as before."""
+    be, mounter = backend
+    waits: list[float] = []
+
+    def declining(parse: MetadataParse, data: bytes, key: str, image_layers: tuple[str, ...] = (), *,
+                  want_index: bool = False) -> SpareWait | None:
+        assert want_index
+        mounter.preloads.append((parse, data, image_layers))
+        return lambda timeout: waits.append(timeout)  # type: ignore[func-returns-value]
+
+    monkeypatch.setattr(mounter, "preload", declining)
+    blob, toc_digest = _estargz({"d.txt": b"daemon parsed\n"})
+    image = push_image(registry.url, "lazy/sparedeclined", "v1", [blob])
+    (layer,) = image.layers
+    with pytest.raises(AlreadyExists):
+        be.prepare("default/1/extract-1", "", _labels(image.ref, layer, "sha256:sd1"))
+    p, data, _layers = mounter.preloads[0]
+    assert be.layers.load(layer) == parse_metadata(p, data)
+    meta = be.layers.meta(layer)
+    assert meta is not None and meta.toc_digest == toc_digest
+    (timeout,) = waits
+    assert 0 < timeout <= min(resolver_module.SPARE_PARSE_WAIT, be.config.resolve_timeout / 2)

@@ -5,7 +5,10 @@ tests/fusefs/test_spare.py; the whole path with containerd is in tests/integrati
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from snapshotter.config import Config
-from snapshotter.formats.metadata_parse import ESTARGZ, MetadataParse
+from snapshotter.formats.metadata_parse import ESTARGZ, NYDUS_BLOB, MetadataParse
 from snapshotter.remote.mounts import MountManager
+from snapshotter.remote.spare_replies import SpareParsed, SpareReplies
 
 LAYER = "sha256:" + "ab" * 32
 PARSE = MetadataParse(ESTARGZ, LAYER, 1000, 1 << 20, toc_offset=10)
@@ -81,3 +85,74 @@ def test_a_new_daemon_clears_preloads_nobody_read(tmp_path: Path) -> None:
     (stale / ("0" * 64)).write_bytes(b"old")
     MountManager(Config(root=tmp_path, spare_mount_process=False)).close()
     assert not stale.exists()
+
+
+SPARE_THAT_ANSWERS = r"""
+import json, os, sys
+reply_fd = int(sys.argv[1])
+for line in sys.stdin:
+    doc = json.loads(line)
+    if "index_out" in doc:
+        with open(doc["index_out"], "wb") as f:
+            f.write(b"index of " + open(doc["data"], "rb").read())
+        os.write(reply_fd, json.dumps({"id": doc["id"], "ok": True, "toc_digest": "sha256:t"}).encode() + b"\n")
+"""
+
+
+def test_a_preload_that_wants_the_index_waits_for_the_spares_answer(manager: MountManager) -> None:
+    r, w = os.pipe()
+    spare = subprocess.Popen([sys.executable, "-c", SPARE_THAT_ANSWERS, str(w)], stdin=subprocess.PIPE,
+                             pass_fds=(w,))
+    os.close(w)
+    manager._spare, manager._spare_replies = spare, SpareReplies(r, spare.pid)
+    try:
+        wait = manager.preload(PARSE, b"toc bytes", PARSE.key(b"toc bytes"), want_index=True)
+        assert wait is not None
+        parsed = wait(10.0)
+        assert parsed is not None and parsed.toc_digest == "sha256:t"
+        assert parsed.index_file.parent == manager.preload_dir
+        assert parsed.index_file.read_bytes() == b"index of toc bytes"
+        # Not asked: no wait; nothing to parse (a Nydus blob layer): not asked.
+        assert manager.preload(PARSE, b"other", PARSE.key(b"other")) is None
+        blob = MetadataParse(NYDUS_BLOB, LAYER, 1000, 0)
+        assert manager.preload(blob, b"", blob.key(b""), want_index=True) is None
+    finally:
+        assert spare.stdin is not None
+        spare.stdin.close()
+        spare.wait(timeout=10)
+
+
+def _replies() -> tuple[SpareReplies, int]:
+    r, w = os.pipe()
+    return SpareReplies(r, 0), w
+
+
+def test_spare_replies_match_answers_to_waits(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    replies, w = _replies()
+    first, second = replies.new_id(), replies.new_id()
+    assert first != second
+    f1, f2 = tmp_path / "1.index", tmp_path / "2.index"
+    f1.write_bytes(b"i1")
+    f2.write_bytes(b"i2")
+    os.write(w, b"not json\n" + json.dumps({"id": first, "ok": True, "toc_digest": None}).encode() + b"\n")
+    assert replies.wait(first, f1, 10.0) == SpareParsed(f1, None)  # answered before the wait began
+    assert "event=spare_reply_bad" in caplog.text
+
+    def answer_later() -> None:
+        time.sleep(0.2)
+        os.write(w, json.dumps({"id": second, "ok": False, "why": "parse failed: bad"}).encode() + b"\n")
+
+    threading.Thread(target=answer_later).start()
+    assert replies.wait(second, f2, 10.0) is None  # "not ok": parse it yourself, and the file is gone
+    assert not f2.exists() and f1.exists()
+    # No answer in time: None, and nothing left at the index path.
+    late = tmp_path / "late.index"
+    late.write_bytes(b"half")
+    began = time.monotonic()
+    assert replies.wait(replies.new_id(), late, 0.2) is None
+    assert time.monotonic() - began < 5 and not late.exists()
+    # The spare closed its end (handed a mount, or died): every wait ends at once.
+    os.close(w)
+    began = time.monotonic()
+    assert replies.wait(replies.new_id(), tmp_path / "never", 30.0) is None
+    assert time.monotonic() - began < 5 and replies.closed
