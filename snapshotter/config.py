@@ -86,8 +86,9 @@ class Config:
                "while it waits)"})
     preload_metadata: bool = field(default=True, metadata={
         "doc": "hand the spare mount process each lazy layer's metadata (TOC, bootstrap) as the daemon resolves "
-               "it, so the spare parses it on another core at the same time and the image's mount starts from it "
-               "instead of loading the daemon's copy afterwards (needs spare_mount_process)"})
+               "it, so the spare parses it (on another core, and in place of the daemon, which stores the index the "
+               "spare wrote) and the image's mount starts from it instead of loading the daemon's copy afterwards "
+               "(needs spare_mount_process)"})
     metadata_image: bool = field(default=True, metadata={
         "doc": "write an EROFS image of each image's file tree once its mount is idle (once; kept) and mount it "
                "next to the image's mount, so containers started after that get lookups, stats and directory "

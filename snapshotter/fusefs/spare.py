@@ -20,7 +20,7 @@ for exactly that tree, by parse keys and options, starts from it (`Prebuilt`).
 A preload that fails (damaged file, bad metadata) is logged and dropped: the daemon's own parse
 decides what the layer is. Kept at most PRELOAD_TTL seconds and MAX_PRELOADS indexes.
 A preload with "index_out" and "id" asks for the index too: once parsed, it is written there
-(index_codec, synced, then renamed into place) and `reply` is called with {"id", "ok": true,
+with its cache keys beside it (remote/store.py `write_index_files`) and `reply` is called with {"id", "ok": true,
 "toc_digest"}, so the daemon persists it instead of parsing the bytes again; a preload skipped,
 failed or not written is answered {"id", "ok": false, "why"} (remote/spare_replies.py).
 """
@@ -36,14 +36,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, BinaryIO
 
 from snapshotter.errors import ConfigError, SnapshotterError
 from snapshotter.formats.index import LayerIndex
-from snapshotter.formats.index_codec import dump_index
 from snapshotter.formats.metadata_parse import MetadataParse, parse_metadata
 from snapshotter.fusefs.tree import MountTree, build_tree
 from snapshotter.gcpause import gc_paused
+from snapshotter.remote.store import discard_index_files, write_index_files
 
 log = logging.getLogger(__name__)
 
@@ -182,23 +183,6 @@ def _no_reply(answer: dict[str, object]) -> None:
     log.warning("event=preload_reply_dropped id=%s reason=no reply channel", answer.get("id"))
 
 
-def write_index_file(path: str, index: LayerIndex) -> None:
-    """`index` in index_codec form at `path`: written to a temp name beside it, synced, renamed."""
-    tmp = f"{path}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(dump_index(index))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def wait_for_assignment(stdin: BinaryIO, *, parse: Callable[[MetadataParse, bytes], LayerIndex] = parse_metadata,
                         clock: Callable[[], float] = time.monotonic, reply: Reply = _no_reply) -> Assignment | None:
     """Read `stdin` until the assignment (returned, with the preloaded indexes) or its end (None).
@@ -265,8 +249,9 @@ def _preload(doc: dict[str, Any], line: bytes, preloads: _Preloads, *, skip: boo
         assert isinstance(index_out, str)
         try:
             with gc_paused():
-                write_index_file(index_out, index)
+                write_index_files(Path(index_out), index, p.layer_digest)
         except OSError as exc:
+            discard_index_files(Path(index_out))
             log.warning("event=preload_index_unwritten layer=%s path=%s error=%s", p.layer_digest, index_out, exc)
             decline(f"index not written: {exc}")
         else:

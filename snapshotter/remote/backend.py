@@ -38,7 +38,6 @@ from snapshotter.fetch.auth import AuthError
 from snapshotter.fetch.client import RegistryClient, counting_bytes
 from snapshotter.fetch.reference import parse_reference
 from snapshotter.formats.metadata_parse import MetadataParse
-from snapshotter.reader.keys import cache_keys
 from snapshotter.remote.claims import LayerClaims
 from snapshotter.remote.labels import (
     REMOTE_LABEL,
@@ -52,7 +51,7 @@ from snapshotter.remote.resolve_loop import ResolveLoop
 from snapshotter.remote.resolver import NYDUS_BLOB_FORMAT, NotLazy, ResolvedLayer, resolve_layer
 from snapshotter.remote.settings import fetch_config_from
 from snapshotter.remote.spare_replies import SpareWait
-from snapshotter.remote.store import LayerMeta, LayerStore, blob_digests
+from snapshotter.remote.store import LayerMeta, LayerStore
 from snapshotter.snapshots.model import Info, LowerDirs, Mount, Snapshot, Usage
 from snapshotter.snapshots.service import Snapshotter
 
@@ -409,13 +408,10 @@ class RemoteBackend:
         keys: set[str] = set()
         for digest in dict.fromkeys(referenced):
             try:
-                index = self.layers.load(digest)
+                keys.update(self.layers.cache_keys(digest))
             except (OSError, FormatError) as exc:
                 log.warning("event=cache_gc_skipped layer=%s error=%r", digest, str(exc))
-                return  # never drop chunks of a layer we could not read the index of
-            blobs = blob_digests(index, digest)
-            for e in index.regular_files():
-                keys.update(cache_keys(e, blobs))
+                return  # never drop chunks of a layer we could not read the keys of
         cache_dir = self.sn.root / "cache"
         if not cache_dir.exists():
             return

@@ -38,6 +38,7 @@ from snapshotter.formats.metadata_parse import (
 )
 from snapshotter.remote.labels import LayerRef
 from snapshotter.remote.spare_replies import SpareWait
+from snapshotter.remote.store import discard_index_files
 
 TAIL_BYTES = 64 * 1024
 # A bootstrap layer up to this size is fetched in one round trip (no HEAD first). About 60 bytes
@@ -141,7 +142,7 @@ async def _parse(ref: LayerRef, p: MetadataParse, data: bytes, on_metadata: OnMe
                 try:
                     _check_toc_digest(ref, by_spare.toc_digest)
                 except DigestMismatch:
-                    by_spare.index_file.unlink(missing_ok=True)
+                    discard_index_files(by_spare.index_file)
                     raise
             return ParsedMetadata(None, by_spare.toc_digest, by_spare.index_file), key
     index = await _off_loop(parse_metadata, p, data, expected_toc_digest=expected_toc_digest)
@@ -220,7 +221,7 @@ async def resolve_layer(client: RegistryClient, ref: LayerRef, *, max_toc_bytes:
             _check_toc_digest(ref, parsed.toc_digest)
         except DigestMismatch:
             if parsed.index_file is not None:
-                parsed.index_file.unlink(missing_ok=True)
+                discard_index_files(parsed.index_file)
             raise
         return ResolvedLayer(ref, "zstdchunked", size, parsed, size - position.offset, key)
 

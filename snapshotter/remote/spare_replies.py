@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from snapshotter.remote.store import discard_index_files
+
 log = logging.getLogger(__name__)
 
 MAX_UNCLAIMED = 256  # answers nobody waits for (a wait that gave up) are dropped past this
@@ -33,7 +35,8 @@ MAX_UNCLAIMED = 256  # answers nobody waits for (a wait that gave up) are droppe
 
 @dataclass(frozen=True)
 class SpareParsed:
-    """The spare parsed the layer: its index is in `index_file` (the daemon now owns the file)."""
+    """The spare parsed the layer: its index is in `index_file`, its cache keys beside it (the
+    daemon now owns both: `LayerStore.adopt` or `discard_index_files`)."""
 
     index_file: Path
     toc_digest: str | None
@@ -109,5 +112,5 @@ class SpareReplies:
         why = "no answer" if doc is None else str(doc.get("why", "not ok"))
         log.info("event=spare_parse_declined pid=%d why=%r", self.pid, why[:200])
         # A late answer may still write it: a name nobody will read again, removed with the preload dir.
-        index_file.unlink(missing_ok=True)
+        discard_index_files(index_file)
         return None

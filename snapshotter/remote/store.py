@@ -3,11 +3,15 @@ registry round trip to know a layer's tree.
 
     ROOT/layers/<sha256 hex of the layer digest>/index.bin    the LayerIndex (index_codec; a root
                                                               written by 0.1 holds index.json)
+    ROOT/layers/<...>/cache-keys                              the cache keys of its chunks (one per line)
     ROOT/layers/<...>/meta.json                               format, blob size, where it came from
     ROOT/layers/<...>/fallback.json                           why the last lazy attempt fell back
 
-Both files are written to a temp name and renamed, meta.json last: a layer directory without
-meta.json is incomplete and is ignored (and rewritten by the next resolve).
+Every file is written to a temp name and renamed, meta.json last: a layer directory without
+meta.json is incomplete and is ignored (and rewritten by the next resolve). cache-keys is what
+the daemon's garbage collection keeps of a live layer (`layer_cache_keys`); without it (a root
+written before it existed, a digest the cache cannot address) the collection loads the index,
+whose memory peak (some 10 MiB for 11,000 entries) the keys file spares the daemon.
 """
 
 from __future__ import annotations
@@ -20,11 +24,14 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from snapshotter.errors import FormatError
 from snapshotter.formats.index import LayerIndex
 from snapshotter.formats.index_codec import dump_index, load_index
+from snapshotter.reader.keys import cache_keys
 
 INDEX_FILE = "index.bin"
 LEGACY_INDEX_FILE = "index.json"
+KEYS_FILE = "cache-keys"
 
 
 def blob_digests(index: LayerIndex, layer_digest: str) -> list[str]:
@@ -33,6 +40,51 @@ def blob_digests(index: LayerIndex, layer_digest: str) -> list[str]:
     if not index.blobs:
         return [layer_digest]
     return [b if ":" in b else f"sha256:{b}" for b in index.blobs]
+
+
+def layer_cache_keys(index: LayerIndex, layer_digest: str) -> set[str]:
+    """Every key a reader of the layer may cache its bytes under (reader/keys.py `cache_keys`).
+    FormatError for a chunk digest the cache cannot address."""
+    blobs = blob_digests(index, layer_digest)
+    keys: set[str] = set()
+    for e in index.regular_files():
+        keys.update(cache_keys(e, blobs))
+    return keys
+
+
+def dump_keys(keys: set[str]) -> bytes:
+    return "".join(f"{k}\n" for k in sorted(keys)).encode("ascii")
+
+
+def load_keys(data: bytes) -> set[str]:
+    """The keys `dump_keys` wrote; FormatError for anything else."""
+    try:
+        return set(data.decode("ascii").splitlines())
+    except UnicodeDecodeError as exc:
+        raise FormatError(f"cache keys file: not ASCII ({exc})") from None
+
+
+def keys_file_beside(index_file: Path) -> Path:
+    """Where the cache keys of an index written outside the store go (`write_index_files`)."""
+    return index_file.with_name(index_file.name + ".keys")
+
+
+def write_index_files(index_file: Path, index: LayerIndex, layer_digest: str) -> None:
+    """`index` (index_codec) at `index_file` and its cache keys beside it (`keys_file_beside`;
+    none when they cannot be listed), each synced and renamed into place, for `LayerStore.adopt`."""
+    try:
+        keys = dump_keys(layer_cache_keys(index, layer_digest))
+    except FormatError:
+        keys_file_beside(index_file).unlink(missing_ok=True)
+    else:
+        _write_atomic(keys_file_beside(index_file), keys)
+    _write_atomic(index_file, dump_index(index))
+
+
+def discard_index_files(index_file: Path) -> None:
+    """Remove an index written by `write_index_files` that will not be adopted."""
+    index_file.unlink(missing_ok=True)
+    keys_file_beside(index_file).unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
@@ -46,6 +98,17 @@ class LayerMeta:
     # process handed an index parsed ahead under this key uses it instead of loading the file.
     # None for indexes written before it existed, or that needed no parse.
     parse_key: str | None = None
+
+
+def _move(src: Path, dst: Path) -> None:
+    """Rename `src` to `dst`; across file systems, copy it (synced) and remove `src`."""
+    try:
+        os.replace(src, dst)
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        _write_atomic(dst, src.read_bytes())
+        src.unlink(missing_ok=True)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -82,26 +145,38 @@ class LayerStore:
     def save(self, meta: LayerMeta, index: LayerIndex) -> Path:
         d = self.layer_dir(meta.layer_digest)
         d.mkdir(parents=True, exist_ok=True)
+        (d / KEYS_FILE).unlink(missing_ok=True)  # an earlier index's keys never outlive it
         _write_atomic(d / INDEX_FILE, dump_index(index))
+        try:
+            _write_atomic(d / KEYS_FILE, dump_keys(layer_cache_keys(index, meta.layer_digest)))
+        except FormatError:
+            pass  # the collection finds no keys and loads the index, which says what is wrong
+        return self._finish(d, meta)
+
+    def adopt(self, meta: LayerMeta, index_file: Path) -> Path:
+        """As `save`, with the index already written (by `write_index_files`, e.g. in the spare
+        mount process) at `index_file`: it and its keys are moved into place (copied, then
+        removed, across file systems)."""
+        d = self.layer_dir(meta.layer_digest)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / KEYS_FILE).unlink(missing_ok=True)
+        _move(index_file, d / INDEX_FILE)
+        keys = keys_file_beside(index_file)
+        if keys.exists():
+            _move(keys, d / KEYS_FILE)
+        return self._finish(d, meta)
+
+    def _finish(self, d: Path, meta: LayerMeta) -> Path:
         (d / LEGACY_INDEX_FILE).unlink(missing_ok=True)
         _write_atomic(d / "meta.json", json.dumps(asdict(meta), sort_keys=True).encode())
         return d / INDEX_FILE
 
-    def adopt(self, meta: LayerMeta, index_file: Path) -> Path:
-        """As `save`, with the index already written (index_codec, synced) at `index_file`, e.g. by
-        the spare mount process: it is moved into place (copied, then removed, across file systems)."""
-        d = self.layer_dir(meta.layer_digest)
-        d.mkdir(parents=True, exist_ok=True)
+    def cache_keys(self, layer_digest: str) -> set[str]:
+        """The layer's cache keys, from its keys file, else from its index (OSError, FormatError)."""
         try:
-            os.replace(index_file, d / INDEX_FILE)
-        except OSError as exc:
-            if exc.errno != errno.EXDEV:
-                raise
-            _write_atomic(d / INDEX_FILE, index_file.read_bytes())
-            index_file.unlink(missing_ok=True)
-        (d / LEGACY_INDEX_FILE).unlink(missing_ok=True)
-        _write_atomic(d / "meta.json", json.dumps(asdict(meta), sort_keys=True).encode())
-        return d / INDEX_FILE
+            return load_keys((self.layer_dir(layer_digest) / KEYS_FILE).read_bytes())
+        except FileNotFoundError:
+            return layer_cache_keys(self.load(layer_digest), layer_digest)
 
     def meta(self, layer_digest: str) -> LayerMeta | None:
         try:
@@ -144,7 +219,7 @@ class LayerStore:
             if not d.is_dir() or d.name in keep or len(d.name) != 64:
                 continue
             if (d / "fallback.json").exists():
-                for name in ("meta.json", INDEX_FILE, LEGACY_INDEX_FILE):  # meta first: without it the index is ignored
+                for name in ("meta.json", INDEX_FILE, LEGACY_INDEX_FILE, KEYS_FILE):  # meta first: else ignored
                     (d / name).unlink(missing_ok=True)
             else:
                 shutil.rmtree(d, ignore_errors=True)

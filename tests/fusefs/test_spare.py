@@ -27,6 +27,7 @@ from snapshotter.fusefs import spare as spare_module
 from snapshotter.fusefs.spare import wait_for_assignment
 from snapshotter.fusefs.state import load_tree, parse_state
 from snapshotter.fusefs.tree import build_tree
+from snapshotter.remote.store import layer_cache_keys, load_keys
 
 L0, L1 = "sha256:" + "0" * 64, "sha256:" + "1" * 64
 
@@ -272,7 +273,9 @@ def test_a_preload_that_asks_for_its_index_gets_it_written_and_answered(tmp_path
     assert answers[3]["ok"] is True
     assert load_index(out0.read_bytes()) == parse_metadata(p0, d0)
     assert load_index(out1.read_bytes()) == parse_metadata(p1, d1)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "l0.index", "l1.index"], "no temp or damaged file"
+    assert load_keys((tmp_path / "l0.index.keys").read_bytes()) == layer_cache_keys(parse_metadata(p0, d0), L0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "l0.index", "l0.index.keys", "l1.index",
+                                                          "l1.index.keys"], "no temp or damaged file"
 
 
 def test_preloads_skipped_behind_the_assignment_are_answered_not_ok(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
 import logging
 import re
@@ -15,17 +16,18 @@ from typing import Any
 import pytest
 
 from snapshotter import metrics
+from snapshotter.cache import ChunkCache
 from snapshotter.config import Config
 from snapshotter.errors import AlreadyExists
 from snapshotter.formats.estargz import write_estargz
 from snapshotter.formats.metadata_parse import MetadataParse, parse_metadata
 from snapshotter.formats.rafs_writer import write_nydus
-from snapshotter.fusefs.spare import write_index_file
 from snapshotter.remote import backend as backend_module
 from snapshotter.remote import resolver as resolver_module
 from snapshotter.remote.backend import RemoteBackend, RemoteLayer
 from snapshotter.remote.labels import REMOTE_LABEL, TARGET_SNAPSHOT_REF
 from snapshotter.remote.spare_replies import SpareParsed, SpareWait
+from snapshotter.remote.store import KEYS_FILE, layer_cache_keys, load_keys, write_index_files
 from snapshotter.snapshots.model import Kind
 from snapshotter.snapshots.service import Snapshotter
 from tests.fetch.registry import RegistryProcess, free_port, push_image
@@ -94,7 +96,7 @@ class FakeMounter:
         # As the spare: parse, write the index file, answer (remote/spare_replies.py).
         index = parse_metadata(parse, data)
         index_file = self.tmp / f"spare-{len(self.preloads)}.index"
-        write_index_file(str(index_file), index)
+        write_index_files(index_file, index, parse.layer_digest)
         return lambda _timeout: SpareParsed(index_file, index.toc_digest)
 
 
@@ -234,14 +236,16 @@ def test_an_index_the_spare_parsed_is_stored_and_the_daemon_does_not_parse(
     assert stored == parse_metadata(p, data)
     meta = be.layers.meta(layer)
     assert meta is not None and meta.toc_digest == toc_digest and meta.parse_key == p.key(data)
-    assert not list(mounter.tmp.glob("spare-*.index"))  # moved into the layer store
+    assert not list(mounter.tmp.glob("spare-*"))  # moved into the layer store, with its cache keys
+    keys_file = be.layers.layer_dir(layer) / KEYS_FILE
+    assert load_keys(keys_file.read_bytes()) == layer_cache_keys(stored, layer) != set()
     # The same bytes under another layer's label with a wrong TOC digest: refused, file removed.
     other = push_image(registry.url, "lazy/spareparsed2", "v1", [_estargz({"z": b"other"})[0]])
     (other_layer,) = other.layers
     be.prepare("default/2/extract-1", "", _labels(other.ref, other_layer, "sha256:sp2", **{
         "containerd.io/snapshot/stargz/toc.digest": "sha256:" + "0" * 64}))
     assert be.layers.meta(other_layer) is None
-    assert not list(mounter.tmp.glob("spare-*.index"))
+    assert not list(mounter.tmp.glob("spare-*"))
 
 
 def _pull_first_of_two(be: RemoteBackend, registry: RegistryProcess, repo: str, tag: str) -> tuple[str, str, str]:
@@ -587,3 +591,32 @@ def test_a_spare_that_gives_no_index_leaves_the_parse_to_the_daemon(
     assert meta is not None and meta.toc_digest == toc_digest
     (timeout,) = waits
     assert 0 < timeout <= min(resolver_module.SPARE_PARSE_WAIT, be.config.resolve_timeout / 2)
+
+
+def test_garbage_collection_keeps_live_chunks_without_loading_an_index(
+        backend: tuple[RemoteBackend, FakeMounter], registry: RegistryProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The collection lists a live layer's cache keys from its keys file (remote/store.py), so
+    the daemon does not load the index (its memory peak) on every Cleanup."""
+    be, _mounter = backend
+    live, dead = b"live chunk\n" * 10, b"nobody's chunk\n"
+    blob, _toc = _estargz({"live.txt": live})
+    image = push_image(registry.url, "lazy/gckeys", "v1", [blob])
+    (layer,) = image.layers
+    with pytest.raises(AlreadyExists):
+        be.prepare("default/1/extract-1", "", _labels(image.ref, layer, "sha256:gc1"))
+    live_key, dead_key = (f"sha256:{hashlib.sha256(d).hexdigest()}" for d in (live, dead))
+    assert live_key in layer_cache_keys(be.layers.load(layer), layer)
+    cache = ChunkCache(be.sn.root / "cache", be.config.cache.max_bytes)
+    assert cache.put(live_key, live) and cache.put(dead_key, dead)
+    cache.close()
+
+    def no_index(digest: str) -> None:
+        raise AssertionError(f"the collection loaded the index of {digest}")
+
+    monkeypatch.setattr(be.layers, "load", no_index)
+    be.collect_garbage()
+    cache = ChunkCache(be.sn.root / "cache", be.config.cache.max_bytes)
+    try:
+        assert cache.get(live_key) == live and cache.get(dead_key) is None
+    finally:
+        cache.close()
