@@ -127,7 +127,8 @@ async def _parse(ref: LayerRef, p: MetadataParse, data: bytes, on_metadata: OnMe
                  expected_toc_digest: str | None = None) -> tuple[ParsedMetadata, str]:
     """(parse, parse key) of `data`: `on_metadata` is told first; then the spare's parse, if it
     was handed the bytes and gives one in SPARE_PARSE_WAIT, else the daemon's, off the loop.
-    expected_toc_digest is checked either way."""
+    Either way its TOC digest is checked against the image's (`ref.toc_digest`); the daemon's
+    eStargz parse also checks `expected_toc_digest` itself, before the TOC is decoded."""
     key = p.key(data)
     spare_wait = on_metadata(p, data, key, ref.image_layers) if on_metadata is not None else None
     if p.kind == NYDUS_BLOB:  # nothing to parse
@@ -138,14 +139,14 @@ async def _parse(ref: LayerRef, p: MetadataParse, data: bytes, on_metadata: OnMe
         by_spare = await trio.to_thread.run_sync(spare_wait, max(0.0, min(SPARE_PARSE_WAIT, left / 2)),
                                                  abandon_on_cancel=True)
         if by_spare is not None:
-            if expected_toc_digest is not None:
-                try:
-                    _check_toc_digest(ref, by_spare.toc_digest)
-                except DigestMismatch:
-                    discard_index_files(by_spare.index_file)
-                    raise
+            try:
+                _check_toc_digest(ref, by_spare.toc_digest)
+            except DigestMismatch:
+                discard_index_files(by_spare.index_file)
+                raise
             return ParsedMetadata(None, by_spare.toc_digest, by_spare.index_file), key
     index = await _off_loop(parse_metadata, p, data, expected_toc_digest=expected_toc_digest)
+    _check_toc_digest(ref, index.toc_digest)
     return ParsedMetadata.of(index), key
 
 
@@ -217,12 +218,6 @@ async def resolve_layer(client: RegistryClient, ref: LayerRef, *, max_toc_bytes:
         compressed = await _range(client, ref, tail, tail_start, position.offset, position.compressed_size)
         p = MetadataParse(ZSTD_CHUNKED, ref.layer_digest, size, max_toc_bytes, position=position_doc(position))
         parsed, key = await _parse(ref, p, compressed, on_metadata)
-        try:
-            _check_toc_digest(ref, parsed.toc_digest)
-        except DigestMismatch:
-            if parsed.index_file is not None:
-                discard_index_files(parsed.index_file)
-            raise
         return ResolvedLayer(ref, "zstdchunked", size, parsed, size - position.offset, key)
 
     raise NotLazy(f"layer {ref.layer_digest} has no eStargz or zstd:chunked footer (plain gzip/zstd layer?)")

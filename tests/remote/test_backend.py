@@ -22,6 +22,7 @@ from snapshotter.errors import AlreadyExists
 from snapshotter.formats.estargz import write_estargz
 from snapshotter.formats.metadata_parse import MetadataParse, parse_metadata
 from snapshotter.formats.rafs_writer import write_nydus
+from snapshotter.formats.zstdchunked import write_zstdchunked
 from snapshotter.remote import backend as backend_module
 from snapshotter.remote import resolver as resolver_module
 from snapshotter.remote.backend import RemoteBackend, RemoteLayer
@@ -620,3 +621,27 @@ def test_garbage_collection_keeps_live_chunks_without_loading_an_index(
         assert cache.get(live_key) == live and cache.get(dead_key) is None
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("spare_parses", [False, True])
+def test_a_zstd_chunked_toc_digest_label_is_checked_whoever_parses(
+        backend: tuple[RemoteBackend, FakeMounter], registry: RegistryProcess, caplog: pytest.LogCaptureFixture,
+        spare_parses: bool) -> None:
+    be, mounter = backend
+    mounter.spare_parses = spare_parses
+    caplog.set_level(logging.INFO)
+    out = io.BytesIO()
+    result = write_zstdchunked(io.BytesIO(_tar({"z.txt": b"zstd chunked\n" * 50})), out)
+    image = push_image(registry.url, f"lazy/zstdcheck{int(spare_parses)}", "v1", [out.getvalue()])
+    (layer,) = image.layers
+    be.prepare("default/1/extract-1", "", _labels(image.ref, layer, "sha256:zc1", **{
+        "containerd.io/snapshot/stargz/toc.digest": "sha256:" + "0" * 64}))
+    (line,) = _fallback_lines(caplog)
+    assert layer in line and "reason=toc_digest_mismatch" in line, line
+    assert be.layers.meta(layer) is None and not list(mounter.tmp.glob("spare-*"))
+    # The right label: stored, from whichever parse.
+    with pytest.raises(AlreadyExists):
+        be.prepare("default/2/extract-1", "", _labels(image.ref, layer, "sha256:zc2", **{
+            "containerd.io/snapshot/stargz/toc.digest": result.toc_digest}))
+    meta = be.layers.meta(layer)
+    assert meta is not None and meta.format == "zstdchunked" and meta.toc_digest == result.toc_digest

@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import io
 import os
-import tarfile
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,7 @@ from snapshotter.remote.store import (
     load_keys,
     write_index_files,
 )
+from tests.faults.imagekit import tar_of
 
 LAYER = "sha256:" + "cd" * 32
 
@@ -71,14 +71,8 @@ def test_a_failed_adopt_stores_nothing(tmp_path: Path) -> None:
 
 def _parsed(files: dict[str, bytes]) -> LayerIndex:
     """The index of an eStargz layer of `files`, as the daemon parses it."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tf:
-        for name, data in files.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tf.addfile(info, io.BytesIO(data))
     out = io.BytesIO()
-    write_estargz(io.BytesIO(buf.getvalue()), out, chunk_size=4096)
+    write_estargz(io.BytesIO(tar_of(files, dirs=())), out, chunk_size=4096)
     blob = out.getvalue()
     footer = estargz.parse_footer(blob[-estargz.FOOTER_SIZE:])
     offset, length = estargz.toc_range(footer, len(blob))
