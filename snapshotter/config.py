@@ -41,6 +41,11 @@ class CacheConfig:
     max_inflight_bytes: int = field(default=32 << 20, metadata={
         "doc": "cap on chunk bytes being fetched at once, per mount: range bytes requested, and the memory "
                "the fetches hold (a streamed fetch about 1.25 MiB, a chunk kept in memory all of it)"})
+    direct_read_min_bytes: int = field(default=16 << 20, metadata={
+        "doc": "with metadata images: a file of at least this many bytes (and more than one chunk), once read to "
+               "its end and wholly cached, is also stored whole in the cache and handed to overlayfs, so containers "
+               "started after that read it from disk directly, not through the FUSE mount; it costs its size again "
+               "in the cache while its chunks stay (0 = off)"})
 
 
 @dataclass(frozen=True)

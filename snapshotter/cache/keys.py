@@ -9,6 +9,9 @@ A key names the uncompressed bytes of one chunk:
 - "group:HEX" for a read unit of several chunks (reader/units.py): HEX = sha256 of its parts'
   digests in order, joined by ",". The parts' digests fix the bytes, so this too is content
   addressed: a file chunked the same way in two layers is one cache file. `chunks/group/HEX[:2]/HEX`.
+- "file:HEX" for the whole of a file of several chunks, stored once all of them are cached
+  (fusefs/direct.py): HEX = sha256 of its chunks' keys in order, joined by ",", so it is content
+  addressed as its parts are. `chunks/file/HEX[:2]/HEX`.
 
 Anything else is rejected with ValueError, so a hostile TOC digest can never become a path.
 """
@@ -25,6 +28,8 @@ _DIGEST_RE = re.compile(r"^(sha256|blake3):([0-9a-f]{64})$")
 BLOB_PREFIX = "blob:"
 GROUP_PREFIX = "group:"
 _GROUP_RE = re.compile(r"^group:([0-9a-f]{64})$")
+FILE_PREFIX = "file:"
+_FILE_RE = re.compile(r"^file:([0-9a-f]{64})$")
 
 
 def blob_key(blob: str, blob_offset: int, inner_offset: int, size: int) -> str:
@@ -42,6 +47,15 @@ def group_key(part_digests: Iterable[str]) -> str:
     return GROUP_PREFIX + hashlib.sha256(joined.encode("ascii", "replace")).hexdigest()
 
 
+def file_key(part_keys: Iterable[str]) -> str:
+    """The key of a whole file whose chunks have these keys (in file order; "zeros:SIZE" for a
+    chunk of zeros, which has no key)."""
+    joined = ",".join(part_keys)
+    if not joined:
+        raise ValueError("a file key needs the keys of its chunks")
+    return FILE_PREFIX + hashlib.sha256(joined.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 def is_digest_key(key: str) -> bool:
     return _DIGEST_RE.match(key) is not None
 
@@ -55,7 +69,10 @@ def relative_path(key: str) -> Path:
     g = _GROUP_RE.match(key)
     if g is not None:
         return Path("chunks", "group", g.group(1)[:2], g.group(1))
+    f = _FILE_RE.match(key)
+    if f is not None:
+        return Path("chunks", "file", f.group(1)[:2], f.group(1))
     if key.startswith(BLOB_PREFIX) and len(key) > len(BLOB_PREFIX) and "\x00" not in key:
         h = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
         return Path("chunks", "blob", h[:2], h)
-    raise ValueError(f"not a chunk key: {key!r} (want sha256:HEX, blake3:HEX, group:HEX or blob:...)")
+    raise ValueError(f"not a chunk key: {key!r} (want sha256:HEX, blake3:HEX, group:HEX, file:HEX or blob:...)")

@@ -211,8 +211,10 @@ class LazyOperations(pyfuse3.Operations):
         config: FsConfig | None = None,
         recorder: ReadRecorder | None = None,
         on_request: Callable[[], None] | None = None,
+        on_file_end: Callable[[Node], None] | None = None,
     ) -> None:
-        """on_request: called after each request (any operation), on the event loop."""
+        """on_request: called after each request (any operation), on the event loop.
+        on_file_end: called with the node after a read that reached its last byte (fusefs/direct.py)."""
         super().__init__()
         if len(readers) != len(tree.layers):
             raise ValueError(f"{len(readers)} readers for {len(tree.layers)} layers")
@@ -222,6 +224,7 @@ class LazyOperations(pyfuse3.Operations):
         self.recorder = recorder if recorder is not None else ReadRecorder(tree)
         self.stats = FsStatistics()
         self.on_request = on_request
+        self.on_file_end = on_file_end
         self.lookup_counts: dict[int, int] = {}
         # inode -> (when, offset, end) of its last failed read; see `read`.
         self._failed: dict[int, tuple[float, int, int]] = {}
@@ -378,6 +381,8 @@ class LazyOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EIO)
         self.stats.read_bytes += want
         self.stats.note_demand(node.layer, node.entry, off, want)
+        if off + want == node.size and self.on_file_end is not None:
+            self.on_file_end(node)
         return data  # pyfuse3 sends any buffer: a buffer read from the page cache is not copied again
 
     async def release(self, fh: int) -> None:

@@ -42,10 +42,12 @@ from typing import Any, BinaryIO
 import pyfuse3
 import trio
 
+from snapshotter.cache import ChunkCache
 from snapshotter.errors import ConfigError, FetchError, FormatError, SnapshotterError
 from snapshotter.formats.codec import decompress_chunk
 from snapshotter.formats.digest import check_digest
 from snapshotter.formats.index import Chunk, Entry, EntryType, LayerIndex
+from snapshotter.fusefs.direct import DirectFiles
 from snapshotter.fusefs.ops import FsConfig, LayerReader, LazyOperations, ReadRecorder
 from snapshotter.fusefs.prefetch import ForegroundGate, Prefetcher, PrefetchSettings
 from snapshotter.fusefs.spare import Assignment, wait_for_assignment
@@ -279,11 +281,15 @@ async def serve(state: MountState, tree: MountTree, reader_kinds: Mapping[str, R
         prefetcher = Prefetcher(tree, readers, [spec.digest for spec in layer_specs],
                                 PrefetchSettings.from_doc(state.doc))
         env.shared.setdefault("stats_hooks", []).append(prefetcher.stats_hook)
+        direct = direct_files(state, tree, readers, env)
+        if direct is not None:
+            env.shared["stats_hooks"].append(direct.stats)
         # The filesystem reads through tracked readers, and reports each request: the container's
         # reads and requests pause the background fetch.
         ops = LazyOperations(tree, prefetcher.tracked(readers), FsConfig(fetch_timeout=state.fetch_timeout,
                                                                          cache_timeout=state.cache_timeout), recorder,
-                             on_request=prefetcher.gate.note_request)
+                             on_request=prefetcher.gate.note_request,
+                             on_file_end=direct.note_end if direct is not None else None)
         nursery.start_soon(run_stats_writer, state, ops, readers, env)  # state["stats_file"], if named
         _detach_stale_mount(state.mountpoint)
         try:
@@ -300,6 +306,8 @@ async def serve(state: MountState, tree: MountTree, reader_kinds: Mapping[str, R
                 inner.start_soon(prefetcher.run)
                 inner.start_soon(_ready_after_prefetch, state, tree, prefetcher)
                 inner.start_soon(meta_writer.when_quiet, prefetcher.gate)
+                if direct is not None:
+                    inner.start_soon(direct.run)
                 await pyfuse3.main(max_tasks=state.max_tasks)
                 # main() returns by itself only when the kernel ended the session.
                 unmounted_outside = True
@@ -314,6 +322,26 @@ async def serve(state: MountState, tree: MountTree, reader_kinds: Mapping[str, R
             with _suppress_oserror():
                 write_record(state, recorder)
     return 0
+
+
+def direct_files(state: MountState, tree: MountTree, readers: Sequence[LayerReader],
+                 env: ReaderEnv) -> DirectFiles | None:
+    """The mount's direct directory (fusefs/direct.py), when the state names one ("direct_dir",
+    with "direct_min_bytes") and the readers share a chunk cache; else None."""
+    directory = state.doc.get("direct_dir")
+    if directory is None:
+        return None
+    what = f"state file of {state.mountpoint}"
+    if not isinstance(directory, str) or not directory:
+        raise ConfigError(f"{what}: direct_dir must be a directory path")
+    min_bytes = _get(state.doc, "direct_min_bytes", int, what)
+    if min_bytes <= 0:
+        raise ConfigError(f"{what}: direct_min_bytes must be positive")
+    cache = env.shared.get("chunk_cache")
+    if not isinstance(cache, ChunkCache):
+        log.info("event=direct_off reason=no_chunk_cache")
+        return None
+    return DirectFiles(tree, readers, cache, Path(directory), min_bytes)
 
 
 META_QUIET = 1.0  # seconds without a filesystem request before the metadata image is written

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from snapshotter.cache.keys import blob_key, group_key, is_digest_key
+from snapshotter.cache.keys import blob_key, file_key, group_key, is_digest_key
 from snapshotter.errors import FormatError
 from snapshotter.formats.index import Chunk, Entry
 from snapshotter.reader.units import UNIT_BYTES, ChunkGroup, units
@@ -34,13 +34,26 @@ def chunk_key(chunk: Chunk, blobs: Sequence[str]) -> str:
     return blob_key(blob, chunk.blob_offset, chunk.inner_offset, chunk.size)
 
 
+def whole_file_key(entry: Entry, blobs: Sequence[str]) -> str | None:
+    """The key of the whole of a regular file of several chunks (cache/keys.py `file_key`), which
+    fusefs/direct.py stores once all of them are cached; None for a file of one chunk or none
+    (its chunk is the whole file). FormatError as `chunk_key`."""
+    if len(entry.chunks) < 2:
+        return None
+    return file_key(f"zeros:{c.size}" if c.zeros else chunk_key(c, blobs) for c in entry.chunks)
+
+
 def cache_keys(entry: Entry, blobs: Sequence[str], unit_bytes: int = UNIT_BYTES) -> Iterator[str]:
-    """Every key a reader may cache a regular file's bytes under: its chunks' keys and, where
-    small chunks are grouped into read units (reader/units.py; `unit_bytes` as the readers'),
-    the units' keys. What the daemon keeps of a live layer when it collects garbage."""
+    """Every key a reader may cache a regular file's bytes under: its chunks' keys, where small
+    chunks are grouped into read units (reader/units.py; `unit_bytes` as the readers') the
+    units' keys, and the key of the whole file (`whole_file_key`). What the daemon keeps of a
+    live layer when it collects garbage."""
     for c in entry.chunks:
         yield chunk_key(c, blobs)
     if len(entry.chunks) > 1:
         for u in units(entry, unit_bytes):
             if isinstance(u, ChunkGroup):
                 yield chunk_key(u, blobs)
+        whole = whole_file_key(entry, blobs)
+        assert whole is not None
+        yield whole

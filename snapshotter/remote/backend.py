@@ -84,6 +84,7 @@ class Mounter(Protocol):
     def release(self, mount_id: str) -> None: ...
     def mounted_ids(self) -> set[str]: ...
     def metadata_dir(self, mount_id: str) -> str | None: ...
+    def direct_dir(self, mount_id: str) -> str | None: ...
     def prune_metadata_images(self) -> list[str]: ...
     def preload(self, parse: MetadataParse, data: bytes, key: str, image_layers: tuple[str, ...] = (), *,
                 want_index: bool = False) -> SpareWait | None: ...
@@ -267,8 +268,8 @@ class RemoteBackend:
 
     def lowers(self, snap: Snapshot) -> LowerDirs:
         """Lower dirs for `snap`, nearest parent first, remote runs served by the image's mount:
-        its metadata image's run dirs over the FUSE mount as a data-only layer once that image
-        is mounted, else the FUSE mount's run dirs."""
+        its metadata image's run dirs over the mount's direct directory and the FUSE mount as
+        data-only layers once that image is mounted, else the FUSE mount's run dirs."""
         plan = self._plan(snap.parent_ids)
         if plan is None:
             return self.sn.local_lowers(snap)
@@ -278,9 +279,12 @@ class RemoteBackend:
                                              plain_http_hosts=self.resolve_loop.plain_http_hosts(),
                                              auth=self._auth_handoff(runs))
             meta = self.mounter.metadata_dir(snap.parent_ids[0])
+            direct = self.mounter.direct_dir(snap.parent_ids[0]) if meta else None
         top = meta or mountpoint
         bottom_up_dirs = [f"{top}/{where}" if kind == "run" else str(where) for kind, where in placement]
-        return LowerDirs(tuple(reversed(bottom_up_dirs)), (mountpoint,) if meta else ())
+        # Data-only layers, first match wins: the big files the mount stored whole, then the mount.
+        data = ((direct,) if direct else ()) + ((mountpoint,) if meta else ())
+        return LowerDirs(tuple(reversed(bottom_up_dirs)), data)
 
     def _plan(self, parent_ids: Sequence[str]) -> tuple[list[list[RemoteLayer]], list[tuple[str, int | str]],
                                                          tuple[int, ...]] | None:

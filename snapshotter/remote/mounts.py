@@ -10,6 +10,8 @@
     ROOT/mounts/<mount id>/in_use       made once a snapshot over the image asked for the mount; a
                                         mount started on pull fetches in background only after it
     ROOT/mounts/<mount id>/meta         the mount's metadata image, mounted (config `metadata_image`)
+    ROOT/mounts/<mount id>/direct       hard links of the big files it stored whole in the cache, at
+                                        their paths in the mount (fusefs/direct.py), for overlayfs
     ROOT/mounts/spare.log               stderr of the spare mount process until it is given a mount
     ROOT/mounts/preload/<key>           a layer's metadata bytes, handed to the spare to parse ahead
     ROOT/mounts/preload/<key>.<n>.index the index the spare parsed from them, when asked for it
@@ -20,6 +22,8 @@ exists. While the mount serves and the image exists, it is mounted at ROOT/mount
 (checked when the mount starts and by `watch`), and `metadata_dir` names it: snapshots over the
 image mounted from then on are overlay of META/<run> dirs over the FUSE mount as a data-only
 layer. It is unmounted (lazily) when the mount stops; the image file stays for the next mount.
+With `cache.direct_read_min_bytes`, the mount's direct directory is a data-only layer too, before
+the FUSE mount (`direct_dir`): a big file the mount stored whole is read from disk by overlayfs.
 
 The spare (config `spare_mount_process`): one mount process started ahead, imports done, that
 waits on its stdin for a line {"state": STATE_FILE, "log": LOG_FILE, "auth": HANDOFF}; the next
@@ -83,6 +87,7 @@ READY_FILE = "ready"  # written by the mount process once mounted and prefetched
 IN_USE_FILE = "in_use"  # made when a snapshot over the image asks for the mount (not by mount_on_pull)
 RECORD_FILE = "record.json"  # its first-read record, on SIGUSR1 and at exit (`snapshotter record`)
 STATS_FILE = "stats.json"
+DIRECT_DIR = "direct"  # hard links of whole cached files, a data-only layer (fusefs/direct.py)
 STOP_TIMEOUT = 5.0
 SPARE_DELAY = 2.0  # seconds after a hand-off before the next spare starts (off the container's start path)
 SPARE_LOG = "spare.log"
@@ -243,6 +248,11 @@ class MountManager:
             if self.meta.available:
                 key = self._meta_keys[mount_id] = key_of(doc)
                 doc["meta_image"] = str(self.meta.image(key))  # the mount process writes it when quiet
+                if self.config.cache.direct_read_min_bytes > 0:
+                    direct = self.dir / mount_id / DIRECT_DIR
+                    direct.mkdir(exist_ok=True)
+                    doc["direct_dir"] = str(direct)
+                    doc["direct_min_bytes"] = self.config.cache.direct_read_min_bytes
             tmp = state.with_suffix(".tmp")
             tmp.write_text(json.dumps(doc, indent=1))
             os.replace(tmp, state)
@@ -311,6 +321,14 @@ class MountManager:
         while there is none (not built yet, turned off, or this kernel cannot stack it)."""
         meta = self.dir / mount_id / META_DIR
         return str(meta) if self.meta.available and is_mountpoint(meta) else None
+
+    def direct_dir(self, mount_id: str) -> str | None:
+        """Image `mount_id`'s direct directory (fusefs/direct.py), a data-only layer to list
+        before the FUSE mount under its metadata image's runs; None when it has none."""
+        if not self.meta.available or self.config.cache.direct_read_min_bytes <= 0:
+            return None
+        direct = self.dir / mount_id / DIRECT_DIR
+        return str(direct) if direct.is_dir() else None
 
     def _meta_key(self, mount_id: str) -> str | None:
         """The metadata image key of serving mount `mount_id` (from its state file after a daemon restart)."""

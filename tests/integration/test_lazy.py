@@ -7,11 +7,13 @@ reference tool.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import os
 import re
+import signal
 import stat
 import subprocess
 import sys
@@ -178,6 +180,21 @@ def mounted(lab: Lab) -> Iterator[list[tuple[str, str, Path, str | None]]]:
     for key, snapshotter, target, namespace in done:
         subprocess.run(["umount", "-R", str(target)], check=False, timeout=30)
         lab.ctr("snapshots", "--snapshotter", snapshotter, "rm", key, namespace=namespace, check=False)
+
+
+@contextlib.contextmanager
+def daemon_config(lab: Lab, text: str) -> Iterator[None]:
+    """Run the lab's daemon with config `text` inside the block, with the lab's own after it."""
+    path = Path(tempfile.mkstemp(prefix="config-", suffix=".toml", dir=lab.dir)[1])
+    path.write_text(text)
+    old = lab.daemon_config
+    lab.daemon_config = path
+    lab.restart_daemon(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        lab.daemon_config = old
+        lab.restart_daemon(signal.SIGTERM)
 
 
 def mount_image(lab: Lab, mounted: list[tuple[str, str, Path, str | None]], ref: str, snapshotter: str,
@@ -351,6 +368,58 @@ def _wait_for(what: str, probe: Callable[[], object], timeout: float = 30.0) -> 
             return value
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def test_a_big_file_read_once_is_read_from_disk_by_later_overlays(lab: Lab, pushed: Pushed,
+                                                                  mounted: list[tuple[str, str, Path, str | None]]
+                                                                  ) -> None:
+    """Direct reads (fusefs/direct.py): once a big file has been read to its end through an
+    overlay over the metadata image, the mount stores it whole in the cache and links it into its
+    direct directory; an overlay mounted after that reads it (the same bytes) with no FUSE read."""
+    ns = "direct"
+    with daemon_config(lab, f"[cache]\ndirect_read_min_bytes = {1 << 20}\n"):
+        others = set(_erofs_mounts_under(lab.snapshotter_root))
+        lab.ctr_remote("image", "rpull", "--plain-http", "--snapshotter", "lazy", pushed.esgz_ref, namespace=ns)
+        try:
+            mount_image(lab, mounted, pushed.esgz_ref, "lazy", namespace=ns)  # starts the image's mount
+            meta = Path(str(_wait_for("the metadata image to be mounted", lambda: [
+                m for m in _erofs_mounts_under(lab.snapshotter_root) if m not in others], timeout=60)[0]))
+            mount_dir = meta.parent
+            direct = mount_dir / "direct"
+            stats = mount_dir / "stats.json"
+
+            def fuse_reads() -> int:
+                return int(json.loads(stats.read_bytes())["fuse"]["ops"].get("read", {}).get("count", 0))
+
+            first = mount_image(lab, mounted, pushed.esgz_ref, "lazy", namespace=ns)
+            options = next(line for line in Path("/proc/self/mountinfo").read_text().splitlines()
+                           if f" {first} " in line)
+            assert f"::{direct}::" in options, options
+            expected = images.deterministic_bytes(RICH_BIG, seed=7)
+            assert (first / "rich/big.bin").read_bytes() == expected  # through FUSE: nothing linked yet
+            _wait_for("big.bin to be linked into the direct directory", lambda: list(direct.glob("*/rich/big.bin")))
+            (link,) = direct.glob("*/rich/big.bin")
+            assert link.read_bytes() == expected and link.stat().st_nlink == 2  # the cache's entry and this
+            small = next(direct.rglob("owned"), None)
+            assert small is None, "a small file was linked"
+            Path("/proc/sys/vm/drop_caches").write_text("1\n")  # nothing of big.bin left in the page cache
+            second = mount_image(lab, mounted, pushed.esgz_ref, "lazy", namespace=ns)
+            time.sleep(1.2)  # the mount rewrites its stats file every second
+            before = fuse_reads()
+            assert (second / "rich/owned").read_text() == "owned by 1234:5678\n"  # a small file: through FUSE
+            time.sleep(1.2)
+            after_small = fuse_reads()
+            assert after_small > before
+            assert (second / "rich/big.bin").read_bytes() == expected
+            time.sleep(1.2)
+            assert fuse_reads() == after_small, "big.bin was read through the FUSE mount"
+            assert json.loads(stats.read_bytes())["direct"]["files"] == 1
+        finally:
+            for key, sn, target, namespace in mounted:
+                subprocess.run(["umount", "-R", str(target)], check=False, timeout=30)
+                lab.ctr("snapshots", "--snapshotter", sn, "rm", key, namespace=namespace, check=False)
+            mounted.clear()
+            lab.ctr("images", "rm", "--sync", pushed.esgz_ref, namespace=ns, check=False)
 
 
 def test_the_spare_mount_process_serves_the_next_image(lab: Lab, pushed: Pushed) -> None:

@@ -14,11 +14,9 @@ import hashlib
 import json
 import os
 import re
-import signal
-import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +26,7 @@ import pytest
 from integration import images
 from integration.lab import REPO_ROOT, Lab
 from snapshotter.cache import ChunkCache
-from tests.integration.test_lazy import manifest_layers
+from tests.integration.test_lazy import daemon_config, manifest_layers
 
 PY = str(REPO_ROOT / ".venv" / "bin" / "python")
 APP_FILES = {f"app/f{i:02d}": images.deterministic_bytes(20_000 + 1_000 * i, seed=100 + i) for i in range(40)}
@@ -76,25 +74,6 @@ def blob_gets(lab: Lab, repo: str) -> list[Get]:
                        int(kv.get("http.response.written", 0)), end - _duration(kv.get("http.response.duration", "")),
                        end))
     return out
-
-
-@contextlib.contextmanager
-def daemon_config(lab: Lab, text: str) -> Iterator[None]:
-    """Run the lab's daemon with config `text` inside the block, with the lab's own after it."""
-    path = Path(tempfile.mkstemp(prefix="prefetch-", suffix=".toml", dir=lab.dir)[1])
-    path.write_text(text)
-    old = lab.daemon_config
-    lab.daemon_config = path
-    _restart(lab)
-    try:
-        yield
-    finally:
-        lab.daemon_config = old
-        _restart(lab)
-
-
-def _restart(lab: Lab) -> None:
-    lab.restart_daemon(signal.SIGTERM)
 
 
 def mount_dir_for(lab: Lab, layer_digest: str) -> Path:

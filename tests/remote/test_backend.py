@@ -61,6 +61,7 @@ class FakeMounter:
         self.ahead: dict[str, bool] = {}
         self.plain_http: dict[str, set[str]] = {}
         self.meta: dict[str, str] = {}  # mount id -> its metadata image's mountpoint, once "built"
+        self.direct: dict[str, str] = {}  # mount id -> its direct directory
         self.spare_parses = False  # answer preloads that ask for the index, as the spare does
         self.pruned = 0  # calls of prune_metadata_images
         self.preloads: list[tuple[MetadataParse, bytes, tuple[str, ...]]] = []  # (parse, data, image layers)
@@ -83,6 +84,9 @@ class FakeMounter:
 
     def metadata_dir(self, mount_id: str) -> str | None:
         return self.meta.get(mount_id)
+
+    def direct_dir(self, mount_id: str) -> str | None:
+        return self.direct.get(mount_id)
 
     def prune_metadata_images(self) -> list[str]:
         self.pruned += 1
@@ -521,6 +525,11 @@ def test_lowers_interleave_remote_runs_with_local_layers(registry: RegistryProce
     assert "metacopy=on" in m.options
     lower = next(o for o in m.options if o.startswith("lowerdir=")).removeprefix("lowerdir=")
     assert lower == f"{mounter.meta[top]}/1:{be.sn.fs_dir(be.sn.snapshot('c2').id)}:{mounter.meta[top]}/0::{mnt}"
+    # With a direct directory (fusefs/direct.py), it is the first data-only layer: it wins.
+    mounter.direct[top] = str(Path(mounter.tmp, "direct", top))
+    (m,) = be.mounts("ctr")
+    lower = next(o for o in m.options if o.startswith("lowerdir=")).removeprefix("lowerdir=")
+    assert lower.endswith(f"{mounter.meta[top]}/0::{mounter.direct[top]}::{mnt}")
     be.remove("ctr")
     assert mounter.released == [unpack_mount, top]
 
