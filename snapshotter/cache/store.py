@@ -789,6 +789,22 @@ class ChunkWriter:
         except OSError as exc:
             raise self._error(exc, "store") from exc
 
+    def copy_from(self, fd: int, offset: int, size: int) -> None:
+        """Append `size` bytes of open file `fd` from `offset`, copied by the kernel (no bytes
+        pass through this process). CacheError also when `fd` ends before that."""
+        try:
+            if self._fd < 0:
+                self.write(b"")
+            done = 0
+            while done < size:
+                n = os.copy_file_range(fd, self._fd, size - done, offset + done)
+                if n == 0:
+                    raise OSError(errno.EIO, f"source ended {size - done} bytes early")
+                done += n
+            self.size += size
+        except OSError as exc:
+            raise self._error(exc, "store") from exc
+
     def read_back(self) -> bytes:
         """The bytes written so far (before `abort`; for a caller whose commit found no room)."""
         if self._fd < 0:

@@ -46,7 +46,7 @@ from snapshotter.reader.keys import whole_file_key
 
 log = logging.getLogger(__name__)
 
-_COPY_BYTES = 8 << 20  # how much of a chunk is read into memory at a time while storing a file
+_ZEROS = bytes(1 << 20)
 
 
 class DirectFiles:
@@ -184,15 +184,23 @@ class DirectFiles:
                 if u.file_offset != w.size:
                     raise CacheError(f"chunks of {node.entry.name!r} leave a gap at {w.size}")
                 if u.zeros:
-                    w.write(bytes(u.size))
+                    for at in range(0, u.size, len(_ZEROS)):
+                        w.write(_ZEROS[:min(len(_ZEROS), u.size - at)])
                     continue
-                unit_key = reader.key_for(u)
-                for at in range(0, u.size, _COPY_BYTES):
-                    part = cache.get(unit_key, at, min(_COPY_BYTES, u.size - at))
-                    if part is None:  # evicted since the check: try again at the next end read
+                try:
+                    # A chunk file is never changed in place (a new one is renamed over it), so an
+                    # open file of the recorded size holds the chunk, evicted since or not.
+                    fd = os.open(cache.path_for(reader.key_for(u)), os.O_RDONLY | os.O_CLOEXEC)
+                except FileNotFoundError:  # evicted since the check: try again at the next end read
+                    cache.unpin([key])
+                    return False
+                try:
+                    if os.fstat(fd).st_size != u.size:
                         cache.unpin([key])
                         return False
-                    w.write(part)
+                    w.copy_from(fd, 0, u.size)
+                finally:
+                    os.close(fd)
             if w.size != node.size:
                 raise CacheError(f"chunks of {node.entry.name!r} hold {w.size} bytes, not its {node.size}")
             if not w.commit():
@@ -203,7 +211,11 @@ class DirectFiles:
 
     def _link_sync(self, node: Node, key: str) -> bool:
         """Hard-link cache entry `key` into the directory at the node's redirect path."""
-        target = self.directory / self.tree.path_of(node)
+        relative = self.tree.path_of(node)
+        if any(part in ("", ".", "..") for part in relative.split("/")):  # index names never are
+            log.warning("event=direct_link_refused file=%r", relative)
+            return False
+        target = self.directory / relative
         tmp = target.parent / f".direct-{os.getpid()}-{secrets.token_hex(6)}"
         try:
             target.parent.mkdir(parents=True, exist_ok=True)

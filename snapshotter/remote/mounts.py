@@ -144,14 +144,16 @@ def _prefetch_outcome(ready_file: Path) -> str:
 
 
 def _final_stats(stats_file: Path) -> str:
-    """" reads=.. read_bytes=.. demand_chunk_bytes=.. registry_bytes=..": the stopped mount's
+    """" reads=.. read_bytes=.. demand_chunk_bytes=.. registry_bytes=.. direct_files=.. direct_bytes=..":
+    the stopped mount's
     totals from its last stats file (it writes one as it stops), for the mount_stopped line."""
     try:
         doc = json.loads(stats_file.read_bytes())
-        fuse, registry = doc.get("fuse", {}), doc.get("registry", {})
+        fuse, registry, direct = doc.get("fuse", {}), doc.get("registry", {}), doc.get("direct", {})
         values = {"reads": fuse.get("reads"), "read_bytes": fuse.get("read_bytes"),
                   "demand_chunk_bytes": fuse.get("demand_chunk_bytes"),
-                  "registry_bytes": registry.get("bytes_received")}
+                  "registry_bytes": registry.get("bytes_received"),
+                  "direct_files": direct.get("files"), "direct_bytes": direct.get("bytes")}
     except (OSError, ValueError, AttributeError):
         return ""
     return "".join(f" {k}={int(v)}" for k, v in values.items() if isinstance(v, int))

@@ -93,6 +93,10 @@ class MountStatsCollector(Collector):
                                         labels=mlabels)
         evicted_bytes = CounterMetricFamily("snapshotter_cache_evicted_bytes", "bytes evicted to make room",
                                             labels=mlabels)
+        direct_files = GaugeMetricFamily("snapshotter_direct_files",
+                                         "big files stored whole and handed to overlayfs, which reads them from "
+                                         "disk instead of through FUSE (fusefs/direct.py)", labels=mlabels)
+        direct_bytes = GaugeMetricFamily("snapshotter_direct_bytes", "bytes of those files", labels=mlabels)
         for mount, doc in mount_stats(self.mounts_dir).items():
             lv = [mount, image_of(doc)]
             fuse = doc.get("fuse") or {}
@@ -130,8 +134,12 @@ class MountStatsCollector(Collector):
             cache = doc.get("cache") or {}
             evictions.add_metric(lv, _num(cache.get("evicted_chunks")))
             evicted_bytes.add_metric(lv, _num(cache.get("evicted_bytes")))
+            direct = doc.get("direct")
+            if isinstance(direct, dict):
+                direct_files.add_metric(lv, _num(direct.get("files")))
+                direct_bytes.add_metric(lv, _num(direct.get("bytes")))
         yield from (ops, op_errors, op_seconds, served, read_errors, fetched, by_host, requests, hits, misses,
-                    evictions, evicted_bytes)
+                    evictions, evicted_bytes, direct_files, direct_bytes)
         if self.cache_usage is not None:
             try:
                 used, chunks = self.cache_usage()

@@ -290,3 +290,25 @@ def test_processes_creating_one_cache_at_once_all_open_it(tmp_path: Path) -> Non
             root = str(tmp_path / f"c{round_no}")
             jobs = [pool.apply_async(open_and_close, (root,)) for _ in range(6)]
             assert all(j.get(timeout=60) for j in jobs)
+
+
+def test_a_writer_copies_from_an_open_file(tmp_path: Path) -> None:
+    """ChunkWriter.copy_from appends a range of another file; a source that ends early stores
+    nothing and leaves no temp file."""
+    cache = ChunkCache(tmp_path / "c", 1 << 20)
+    src = tmp_path / "src"
+    src.write_bytes(b"0123456789" * 100)
+    key = "sha256:" + "a" * 64  # the cache stores what it is given: the caller verifies
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        with cache.writer(key) as w:
+            w.write(b"head")
+            w.copy_from(fd, 3, 100)
+            assert w.commit()
+        assert cache.get(key) == b"head" + (b"0123456789" * 100)[3:103]
+        other = "sha256:" + "b" * 64
+        with cache.writer(other) as w, pytest.raises(CacheError, match="early"):
+            w.copy_from(fd, 990, 20)
+    finally:
+        os.close(fd)
+    assert not cache.contains(other) and temp_files(tmp_path / "c") == []

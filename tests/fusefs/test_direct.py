@@ -3,6 +3,7 @@ direct directory holds. (The overlay reading a linked file from disk: tests/inte
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -113,3 +114,17 @@ def test_the_collection_keeps_the_whole_file_entry() -> None:
     whole = whole_file_key(entry, [LAYER])
     assert whole is not None and whole in keys and whole.startswith("file:")
     assert relative_path(whole).parts[:2] == ("chunks", "file")
+
+
+def test_a_chunk_of_zeros_is_stored_as_zeros(tmp_path: Path, blob: BuiltBlob) -> None:
+    """A zstd:chunked "zeros" chunk is never cached; the whole file holds its zeros."""
+    entry = blob.entries["big"]
+    chunks = list(entry.chunks)
+    chunks[2] = dataclasses.replace(chunks[2], zeros=True, digest=None)
+    blob.entries["big"] = dataclasses.replace(entry, chunks=tuple(chunks))
+    c = chunks[2]
+    old = blob.contents["big"]
+    blob.contents["big"] = old[:c.file_offset] + bytes(c.size) + old[c.file_offset + c.size:]
+    direct, _ = trio.run(_run, tmp_path, blob, {"big": (0, entry.size)})
+    assert direct.linked
+    assert (tmp_path / "direct" / "0" / "big").read_bytes() == blob.contents["big"]

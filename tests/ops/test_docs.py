@@ -39,6 +39,7 @@ def _stats_doc() -> dict[str, object]:
                     "cache_hits": 1, "cache_misses": 1}],
         "registry": {"requests": 1, "retries": 0, "bytes_received": 10, "bytes_by_host": {"r.example": 10}},
         "cache": {"evicted_chunks": 0, "evicted_bytes": 0},
+        "direct": {"files": 2, "bytes": 7 << 20, "failed": 0},
     }
 
 
@@ -75,6 +76,7 @@ def test_mount_collector_histogram_is_cumulative(tmp_path: Path) -> None:
     assert samples[("snapshotter_fuse_operation_seconds_bucket", repr(LATENCY_BUCKETS[0]))] == 1
     assert samples[("snapshotter_fetched_bytes_total", "on_demand")] == 10
     assert samples[("snapshotter_fetched_bytes_total", "prefetch")] == 0
+    assert samples[("snapshotter_direct_files", "")] == 2 and samples[("snapshotter_direct_bytes", "")] == 7 << 20
 
 
 def test_relative_links_in_docs_resolve() -> None:
