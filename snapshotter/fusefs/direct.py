@@ -167,17 +167,25 @@ class DirectFiles:
                      time.monotonic() - began)
 
     def _store_whole(self, node: Node, reader: LayerReader, key: str) -> bool:
-        """Put the whole file in the cache as `key` (pinned) from its cached units; False when
-        one of them is not cached (nothing is stored then) or the cache has no room."""
+        """Put the whole file in the cache as `key`, pinned, from its cached units (unless it is
+        there already); False, with nothing stored or pinned, when one of them is not cached or
+        the cache has no room."""
+        self.cache.pin([key])
+        try:
+            stored = self.cache.contains(key) or self._copy_whole(node, reader, key)
+        except BaseException:
+            self.cache.unpin([key])
+            raise
+        if not stored:
+            self.cache.unpin([key])
+        return stored
+
+    def _copy_whole(self, node: Node, reader: LayerReader, key: str) -> bool:
         cache = self.cache
         assert node.entry is not None
-        cache.pin([key])
-        if cache.contains(key):
-            return True
         units = reader.units(node.entry)
         unit_keys = [reader.key_for(u) for u in units if not u.zeros]
         if not set(unit_keys) <= cache.present(unit_keys):
-            cache.unpin([key])
             return False
         with cache.writer(key) as w:
             for u in units:
@@ -192,11 +200,9 @@ class DirectFiles:
                     # open file of the recorded size holds the chunk, evicted since or not.
                     fd = os.open(cache.path_for(reader.key_for(u)), os.O_RDONLY | os.O_CLOEXEC)
                 except FileNotFoundError:  # evicted since the check: try again at the next end read
-                    cache.unpin([key])
                     return False
                 try:
                     if os.fstat(fd).st_size != u.size:
-                        cache.unpin([key])
                         return False
                     w.copy_from(fd, 0, u.size)
                 finally:
@@ -204,16 +210,18 @@ class DirectFiles:
             if w.size != node.size:
                 raise CacheError(f"chunks of {node.entry.name!r} hold {w.size} bytes, not its {node.size}")
             if not w.commit():
-                cache.unpin([key])
                 log.info("event=direct_no_room file=%r bytes=%d", self.tree.path_of(node), node.size)
                 return False
         return True
 
     def _link_sync(self, node: Node, key: str) -> bool:
-        """Hard-link cache entry `key` into the directory at the node's redirect path."""
+        """Hard-link cache entry `key` (pinned) into the directory at the node's redirect path;
+        when that fails, the pin is dropped."""
         relative = self.tree.path_of(node)
         if any(part in ("", ".", "..") for part in relative.split("/")):  # index names never are
             log.warning("event=direct_link_refused file=%r", relative)
+            with contextlib.suppress(CacheError):
+                self.cache.unpin([key])
             return False
         target = self.directory / relative
         tmp = target.parent / f".direct-{os.getpid()}-{secrets.token_hex(6)}"
@@ -226,6 +234,8 @@ class DirectFiles:
                 tmp.unlink()
             self.failed += 1
             log.warning("event=direct_link_failed file=%r error=%s", self.tree.path_of(node), exc)
+            with contextlib.suppress(CacheError):
+                self.cache.unpin([key])  # it stays cached, for the collection to judge
             return False
         self.linked[node.inode] = node.size
         return True

@@ -4,6 +4,7 @@ direct directory holds. (The overlay reading a linked file from disk: tests/inte
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 from pathlib import Path
 
@@ -128,3 +129,15 @@ def test_a_chunk_of_zeros_is_stored_as_zeros(tmp_path: Path, blob: BuiltBlob) ->
     direct, _ = trio.run(_run, tmp_path, blob, {"big": (0, entry.size)})
     assert direct.linked
     assert (tmp_path / "direct" / "0" / "big").read_bytes() == blob.contents["big"]
+
+
+def test_a_file_that_cannot_be_linked_stays_with_fuse_unpinned(tmp_path: Path, blob: BuiltBlob,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    def cross_device(src: object, dst: object) -> None:
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", cross_device)
+    direct, cache = trio.run(_run, tmp_path, blob, {"big": (0, len(blob.contents["big"]))})
+    key = whole_file_key(blob.entries["big"], [LAYER])
+    assert not direct.linked and direct.stats()["direct"]["failed"] == 1
+    assert key is not None and cache.contains(key) and key not in cache.pinned_keys()
