@@ -53,6 +53,7 @@ class SpareReplies:
     def __init__(self, fd: int, pid: int) -> None:
         self._cond = threading.Condition()
         self._answers: dict[int, dict[str, object]] = {}
+        self._abandoned: dict[int, Path] = {}  # waits that gave up: id -> the index file its answer may write
         self._closed = False
         self._next_id = 0
         self.pid = pid
@@ -82,10 +83,15 @@ class SpareReplies:
                     log.warning("event=spare_reply_bad pid=%d line=%r error=%s", self.pid, line[:200], exc)
                     continue
                 with self._cond:
-                    if len(self._answers) >= MAX_UNCLAIMED:
-                        self._answers.pop(min(self._answers))
-                    self._answers[answer_id] = doc
-                    self._cond.notify_all()
+                    late = self._abandoned.pop(answer_id, None)
+                    if late is None:
+                        if len(self._answers) >= MAX_UNCLAIMED:
+                            self._answers.pop(min(self._answers))
+                        self._answers[answer_id] = doc
+                        self._cond.notify_all()
+                if late is not None:  # the wait gave up: what the spare wrote since is nobody's
+                    discard_index_files(late)
+                    log.info("event=spare_reply_late pid=%d id=%d", self.pid, answer_id)
         except OSError as exc:
             log.warning("event=spare_reply_failed pid=%d error=%s", self.pid, exc)
         finally:
@@ -106,11 +112,15 @@ class SpareReplies:
                     break
                 self._cond.wait(left)
             doc = self._answers.pop(answer_id, None)
+            if doc is None and not self._closed:
+                if len(self._abandoned) >= MAX_UNCLAIMED:
+                    self._abandoned.pop(min(self._abandoned))
+                self._abandoned[answer_id] = index_file
         if doc is not None and doc.get("ok") is True and index_file.exists():
             digest = doc.get("toc_digest")
             return SpareParsed(index_file, digest if isinstance(digest, str) else None)
         why = "no answer" if doc is None else str(doc.get("why", "not ok"))
         log.info("event=spare_parse_declined pid=%d why=%r", self.pid, why[:200])
-        # A late answer may still write it: a name nobody will read again, removed with the preload dir.
+        # What the spare wrote so far; a late answer's files are removed when it comes (_read).
         discard_index_files(index_file)
         return None

@@ -19,6 +19,7 @@ from snapshotter.config import Config
 from snapshotter.formats.metadata_parse import ESTARGZ, NYDUS_BLOB, MetadataParse
 from snapshotter.remote.mounts import MountManager
 from snapshotter.remote.spare_replies import SpareParsed, SpareReplies
+from snapshotter.remote.store import keys_file_beside
 
 LAYER = "sha256:" + "ab" * 32
 PARSE = MetadataParse(ESTARGZ, LAYER, 1000, 1 << 20, toc_offset=10)
@@ -149,8 +150,17 @@ def test_spare_replies_match_answers_to_waits(tmp_path: Path, caplog: pytest.Log
     late = tmp_path / "late.index"
     late.write_bytes(b"half")
     began = time.monotonic()
-    assert replies.wait(replies.new_id(), late, 0.2) is None
+    late_id = replies.new_id()
+    assert replies.wait(late_id, late, 0.2) is None
     assert time.monotonic() - began < 5 and not late.exists()
+    # Its answer comes after all, with the files written: they are removed then, not left behind.
+    late.write_bytes(b"index")
+    keys_file_beside(late).write_bytes(b"keys")
+    os.write(w, json.dumps({"id": late_id, "ok": True, "toc_digest": None}).encode() + b"\n")
+    deadline = time.monotonic() + 10
+    while late.exists() or keys_file_beside(late).exists():
+        assert time.monotonic() < deadline, "a late answer's index files were left behind"
+        time.sleep(0.01)
     # The spare closed its end (handed a mount, or died): every wait ends at once.
     os.close(w)
     began = time.monotonic()
