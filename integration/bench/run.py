@@ -309,6 +309,43 @@ def _run(argv: Sequence[str], timeout: float = 60) -> subprocess.CompletedProces
     return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
+def _cpu_ticks(pid: int) -> int:
+    """utime + stime of `pid` in clock ticks (0 once it is gone)."""
+    try:
+        fields_ = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return int(fields_[11]) + int(fields_[12])
+
+
+# Seconds every variant waits after its warm first run (and our mounts going idle) before the page
+# cache is dropped: the first lazy run has just written its chunks (and a whole copy of a big file,
+# fusefs/direct.py), some 0.5 GB, and this VM's disk reads slower for a few seconds after a burst of
+# writes, synced or not (warm reads of 0.2-0.46 s with no settle, 0.10-0.21 s with 5 s, overlayfs
+# 0.10-0.12 s either way, 2026-12-05). A node's next container comes much later than that.
+WARM_SETTLE = 5.0
+
+
+def wait_mounts_idle(mounts_dir: Path, *, quiet: float = 0.5, timeout: float = 15.0) -> float:
+    """Wait until every serving mount process (ROOT/mounts/*/pid) has used no CPU for `quiet`
+    seconds, at most `timeout`; the seconds waited. What a first run left running (storing a big
+    file whole for direct reads, writing the metadata image) then ends before the page cache is
+    dropped, as it would long before a node's next container."""
+    began = time.monotonic()
+    last: dict[int, int] | None = None
+    while time.monotonic() - began < timeout:
+        pids = []
+        for pid_file in mounts_dir.glob("*/pid"):
+            with contextlib.suppress(OSError, ValueError):
+                pids.append(int(pid_file.read_text().strip()))
+        now = {pid: _cpu_ticks(pid) for pid in pids}
+        if now == last:
+            break
+        last = now
+        time.sleep(quiet)
+    return time.monotonic() - began
+
+
 def drop_page_cache() -> None:
     os.sync()
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
@@ -389,6 +426,8 @@ def one_run(lab: Lab, *, image: str, workload: str, net: str, variant: str, rep:
             lab.ctr("images", "pull", "--plain-http", "--snapshotter", "overlayfs", ref, timeout=STEP_TIMEOUT)
         if prime is not None:  # a warm workload: the first run fills the caches, then the page cache goes
             lab.ctr_run(ref, f"prime-{uuid.uuid4().hex[:10]}", *prime, snapshotter=snapshotter, timeout=STEP_TIMEOUT)
+            wait_mounts_idle(lab.snapshotter_root / "mounts")
+            time.sleep(WARM_SETTLE)
             drop_page_cache()
         t1 = time.monotonic()
         done = lab.ctr_run(ref, f"bench-{uuid.uuid4().hex[:10]}", *argv, snapshotter=snapshotter, timeout=STEP_TIMEOUT)
@@ -736,7 +775,8 @@ def markdown(cfg: Config, report: Report, cells: Sequence[CellSummary]) -> str:
     if warm:
         lines += [
             "", "Warm (second run, cache hot): the image is pulled, a first container runs the workload (filling "
-            "our chunk cache), the page cache is dropped, then the measured container runs it; the seconds are "
+            "our chunk cache), the harness waits until the image's mount process has used no CPU for 0.5 s (at "
+            "most 15 s) and then 5 s more (every variant), syncs and drops the page cache, then the measured container runs it; the seconds are "
             "timed inside the container (no pull, no container start).", "",
             "| image | workload | network | variant | n | in-container s | read MB/s | vs overlayfs |",
             "|---|---|---|---|---|---|---|---|",
