@@ -776,7 +776,8 @@ def markdown(cfg: Config, report: Report, cells: Sequence[CellSummary]) -> str:
         lines += [
             "", "Warm (second run, cache hot): the image is pulled, a first container runs the workload (filling "
             "our chunk cache), the harness waits until the image's mount process has used no CPU for 0.5 s (at "
-            "most 15 s) and then 5 s more (every variant), syncs and drops the page cache, then the measured container runs it; the seconds are "
+            "most 15 s) and then 5 s more (every variant), syncs and drops the page cache, then the measured "
+            "container runs it; the seconds are "
             "timed inside the container (no pull, no container start).", "",
             "| image | workload | network | variant | n | in-container s | read MB/s | vs overlayfs |",
             "|---|---|---|---|---|---|---|---|",
