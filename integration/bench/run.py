@@ -407,7 +407,7 @@ def _pid_of(lab: Lab, name: str) -> int:
 
 
 def one_run(lab: Lab, *, image: str, workload: str, net: str, variant: str, rep: int, ref: str,
-            argv: Sequence[str], expect: str | None) -> RunResult:
+            argv: Sequence[str], expect: str | None, warm_settle: float = WARM_SETTLE) -> RunResult:
     cold_reset(lab)
     load1 = os.getloadavg()[0]
     reg_log = lab.logs_dir / "registry.log"
@@ -427,7 +427,7 @@ def one_run(lab: Lab, *, image: str, workload: str, net: str, variant: str, rep:
         if prime is not None:  # a warm workload: the first run fills the caches, then the page cache goes
             lab.ctr_run(ref, f"prime-{uuid.uuid4().hex[:10]}", *prime, snapshotter=snapshotter, timeout=STEP_TIMEOUT)
             wait_mounts_idle(lab.snapshotter_root / "mounts")
-            time.sleep(WARM_SETTLE)
+            time.sleep(warm_settle)
             drop_page_cache()
         t1 = time.monotonic()
         done = lab.ctr_run(ref, f"bench-{uuid.uuid4().hex[:10]}", *argv, snapshotter=snapshotter, timeout=STEP_TIMEOUT)
@@ -539,6 +539,7 @@ class Config:
     cache: Path = DEFAULT_CACHE
     shaper: str = "port"
     results_md: Path | None = None
+    warm_settle: float = WARM_SETTLE
     command: str = ""
 
 
@@ -580,7 +581,8 @@ def run_bench(cfg: Config) -> Report:
                                 if check and check.startswith("sha256:") else check
                             ref = f"{host}/bench-{image}:{tags[variant]}"
                             res = one_run(lab, image=image, workload=workload, net=net.name, variant=variant,
-                                          rep=rep, ref=ref, argv=argv, expect=expect)
+                                          rep=rep, ref=ref, argv=argv, expect=expect,
+                                          warm_settle=cfg.warm_settle)
                             report.runs.append(res)
                             print(f"{image} {workload:7} {net.name:9} {variant:16} rep {rep}: pull {res.pull_s:.2f}s "
                                   f"run {res.run_s:.2f}s total {res.total_s:.2f}s "
@@ -776,8 +778,8 @@ def markdown(cfg: Config, report: Report, cells: Sequence[CellSummary]) -> str:
         lines += [
             "", "Warm (second run, cache hot): the image is pulled, a first container runs the workload (filling "
             "our chunk cache), the harness waits until the image's mount process has used no CPU for 0.5 s (at "
-            "most 15 s) and then 5 s more (every variant), syncs and drops the page cache, then the measured "
-            "container runs it; the seconds are "
+            f"most 15 s) and then {cfg.warm_settle:g} s more (every variant), syncs and drops the page cache, "
+            "then the measured container runs it; the seconds are "
             "timed inside the container (no pull, no container start).", "",
             "| image | workload | network | variant | n | in-container s | read MB/s | vs overlayfs |",
             "|---|---|---|---|---|---|---|---|",
@@ -865,6 +867,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     p.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help=f"image cache (default {DEFAULT_CACHE})")
     p.add_argument("--shaper", choices=("port", "tbf"), default="port")
     p.add_argument("--results-md", type=Path, help="also write the Markdown report here")
+    p.add_argument("--warm-settle", type=float, default=WARM_SETTLE,
+                   help=f"seconds a warm cell waits after its first run, every variant alike (default {WARM_SETTLE:g})")
     a = p.parse_args(argv)
     images = ["small", "big"] if a.images == "all" else _csv_list(a.images)
     for im in images:
@@ -876,6 +880,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
             p.error(f"unknown format {f!r} (known: {', '.join(LAZY_FORMATS)})")
     if a.n < 1:
         p.error("--n must be at least 1")
+    if not 0 <= a.warm_settle <= 600:
+        p.error("--warm-settle must be between 0 and 600 seconds")
     try:
         nets = tuple(parse_net(x) for x in _csv_list(a.net))
     except argparse.ArgumentTypeError as e:
@@ -883,7 +889,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     return Config(
         n=a.n, images=tuple(images), formats=tuple(formats), nets=nets,
         workloads=tuple(_csv_list(a.workloads)) or None, out=a.out, cache=a.cache, shaper=a.shaper,
-        results_md=a.results_md,
+        results_md=a.results_md, warm_settle=a.warm_settle,
         command="python -m integration.bench.run " + shlex.join(list(argv if argv is not None else sys.argv[1:])),
     )
 
