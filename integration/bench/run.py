@@ -322,7 +322,8 @@ def _cpu_ticks(pid: int) -> int:
 # cache is dropped: the first lazy run has just written its chunks (and a whole copy of a big file,
 # fusefs/direct.py), some 0.5 GB, and this VM's disk reads slower for a few seconds after a burst of
 # writes, synced or not (warm reads of 0.2-0.46 s with no settle, 0.10-0.21 s with 5 s, overlayfs
-# 0.10-0.12 s either way, 2026-12-05). A node's next container comes much later than that.
+# 0.10-0.12 s either way, 2026-12-05; on another machine 0.20-0.45 s with 5 s and 0.10 s with 30 s,
+# overlayfs 0.10-0.14 s, s31 and s31w30). A node's next container comes much later than that.
 WARM_SETTLE = 5.0
 
 
