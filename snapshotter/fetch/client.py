@@ -328,6 +328,7 @@ class RegistryClient:
         self._limiters: dict[str, trio.CapacityLimiter] = {}
         self._budget = _ByteBudget(self.config.max_inflight_bytes)
         self._plain_http: set[str] = set()
+        self._tls_hosts: set[str] = set()  # fallback hosts that answered TLS: no more plain races
         self._no_multirange: set[str] = set()
         self._mirror_down_until: dict[str, float] = {}
         self._served_by: dict[tuple[str, str], str] = {}
@@ -808,6 +809,65 @@ class RegistryClient:
         host, err = last
         raise RegistryError(f"{ctx.describe(host)}: {err.reason}", status=err.status)
 
+    def _scheme_unknown(self, host: RegistryHost, url: str) -> bool:
+        """True for a host that may fall back to plain HTTP and has not yet shown which it speaks."""
+        return host.http_fallback and url.startswith("https://") and host.host not in self._plain_http \
+            and host.host not in self._tls_hosts
+
+    def _note_plain_http(self, host: RegistryHost) -> None:
+        if host.host not in self._plain_http:
+            log.info("registry %s: no TLS answer; falling back to plain HTTP", host.host)
+            self._plain_http.add(host.host)
+
+    async def _tls_or_plain(self, client: httpx.AsyncClient, request: httpx.Request,
+                            host: RegistryHost) -> httpx.Response:
+        """The answer to `request` (https://) from a host that may speak plain HTTP only: the
+        same request goes out over plain HTTP at once, alongside the TLS attempt, so learning
+        which one the host speaks costs no round trip of its own. TLS wins when its handshake
+        succeeds (the plain answer, typically a 400, is dropped and the host is remembered as
+        speaking TLS); when TLS cannot connect, the plain answer is used and the host is
+        remembered as plain (as the TLS-then-plain fallback would). Only for requests that
+        carry no credentials (the caller's rule): nothing secret goes out unencrypted.
+        Raises what the chosen scheme's request raised (httpx errors)."""
+        plain_request = client.build_request(request.method, request.url.copy_with(scheme="http"),
+                                             headers=request.headers)
+        plain: list[httpx.Response | Exception] = []
+        plain_done = trio.Event()
+
+        async def send_plain() -> None:
+            try:
+                plain.append(await client.send(plain_request, stream=True))
+            except Exception as exc:  # httpx errors; what to do with them is decided below
+                plain.append(exc)
+            finally:
+                plain_done.set()
+
+        tls: httpx.Response | None = None
+        tls_error: BaseException | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send_plain)
+            try:
+                tls = await client.send(request, stream=True)
+            except httpx.ConnectError:
+                await plain_done.wait()
+            except BaseException as exc:  # raised after the nursery: inside it, it would be grouped
+                tls_error = exc
+            nursery.cancel_scope.cancel()
+        if tls is not None or tls_error is not None:
+            for outcome in plain:
+                if isinstance(outcome, httpx.Response):
+                    await outcome.aclose()
+            if tls_error is not None:
+                raise tls_error
+            assert tls is not None
+            self._tls_hosts.add(host.host)
+            return tls
+        self._note_plain_http(host)
+        outcome = plain[0]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
     def _note_served(self, ctx: _Ctx, host: RegistryHost) -> None:
         key = (ctx.ref.registry, ctx.ref.repository)
         if self._served_by.get(key) != host.host:
@@ -854,15 +914,18 @@ class RegistryClient:
                 auth = await self.authorizer.authorization(host.host, scope, client)
                 if auth:
                     req_headers.append(("Authorization", auth))
+            request = client.build_request(method, url, headers=req_headers)
             try:
-                resp = await client.send(client.build_request(method, url, headers=req_headers), stream=True)
+                if same_origin and auth is None and not host.header and self._scheme_unknown(host, url):
+                    resp = await self._tls_or_plain(client, request, host)
+                    url = str(resp.request.url)
+                else:
+                    resp = await client.send(request, stream=True)
             except httpx.ConnectError:
                 # Requests that started together all tried TLS: each one that fails switches,
                 # not only the first (the others would otherwise wait out a retry's backoff).
                 if host.http_fallback and same_origin and url.startswith("https://"):
-                    if host.host not in self._plain_http:
-                        log.info("registry %s: no TLS answer; falling back to plain HTTP", host.host)
-                        self._plain_http.add(host.host)
+                    self._note_plain_http(host)
                     url = self._host_url(host, ctx)
                     continue
                 raise
