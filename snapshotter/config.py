@@ -66,7 +66,8 @@ class PrefetchConfig:
         "doc": "when an image's mount starts, also prefetch the files nearly every container start reads: "
                "/etc/passwd and /etc/group (runc), the dynamic loader, /etc/ld.so.cache and libc.so.6; unlike a "
                "prefetch list's, the container's start does not wait for them (its reads wait for the fetch in "
-               "flight)"})
+               "flight); with `mount_on_pull` the spare starts them, and each layer's prefetch list, as soon as it "
+               "has parsed the layer during the pull"})
 
 
 @dataclass(frozen=True)

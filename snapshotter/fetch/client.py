@@ -192,6 +192,16 @@ class FetchStatistics:
     # Body bytes by the host (HOST[:PORT]) that sent them: a mirror or the origin.
     bytes_by_host: dict[str, int] = field(default_factory=dict)
 
+    def add(self, other: FetchStatistics) -> None:
+        """Count another client's statistics as this one's (the same process's early prefetch)."""
+        self.requests += other.requests
+        self.range_requests += other.range_requests
+        self.multi_range_requests += other.multi_range_requests
+        self.retries += other.retries
+        self.bytes_received += other.bytes_received
+        for host, n in other.bytes_by_host.items():
+            self.bytes_by_host[host] = self.bytes_by_host.get(host, 0) + n
+
     def note_bytes(self, resp: httpx.Response, n: int) -> None:
         self.bytes_received += n
         tally = _TASK_TALLY.get()

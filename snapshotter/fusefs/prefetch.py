@@ -234,9 +234,11 @@ class Prefetcher:
     """
 
     def __init__(self, tree: MountTree, readers: Sequence[LayerReader], names: Sequence[str],
-                 settings: PrefetchSettings) -> None:
+                 settings: PrefetchSettings, *, event: str = "prefetch") -> None:
         if len(readers) != len(tree.layers) or len(names) != len(tree.layers):
             raise ValueError("one reader and one name per layer")
+        self.event = event  # the per-layer log line's name (fusefs/early.py logs its own)
+        self._credited: list[tuple[int, int]] = [(0, 0)] * len(tree.layers)
         self.tree = tree
         self.readers = tuple(readers)
         self.settings = settings
@@ -300,6 +302,19 @@ class Prefetcher:
 
     async def run(self) -> None:
         """Prefetch every layer, then (when enabled) fetch the rest in the background."""
+        await self.prefetch()
+        await self._background()
+
+    def credit(self, name: str, fetched_bytes: int, requests: int) -> None:
+        """Count the bytes and requests of an earlier prefetch of layer `name` (fusefs/early.py)
+        as this one's: what it fetched, this one finds cached. Call it before `run`."""
+        for i, st in enumerate(self.layers):
+            if st.layer == name:
+                b, r = self._credited[i]
+                self._credited[i] = (b + fetched_bytes, r + requests)
+
+    async def prefetch(self) -> None:
+        """Prefetch every layer (its list and its start-up files), all layers at once."""
         try:
             async with trio.open_nursery() as nursery:
                 for i in range(len(self.layers)):
@@ -308,14 +323,14 @@ class Prefetcher:
             self.prefetched.set()
             self.listed_prefetched.set()
             self._publish()
-        await self._background()
 
     async def _prefetch_layer(self, i: int) -> None:
         st = self.layers[i]
         reason = self._skip_reason(i)
         if reason:
             st.prefetch, st.prefetch_reason = "skipped", reason
-            log.info("event=prefetch layer=%s status=skipped reason=%s landmark=%s", st.layer, reason, st.landmark)
+            log.info("event=%s layer=%s status=skipped reason=%s landmark=%s", self.event, st.layer, reason,
+                     st.landmark)
             self._publish()
             return
         reader: Any = self.readers[i]
@@ -336,15 +351,18 @@ class Prefetcher:
             st.prefetch = "done"
         finally:
             st.prefetch_seconds = round(time.monotonic() - began, 6)
+            credited_bytes, credited_requests = self._credited[i]
+            st.prefetch_bytes, st.prefetch_requests = credited_bytes, credited_requests
             if tally is not None:
-                st.prefetch_bytes, st.prefetch_requests = tally.fetched_bytes, tally.requests
+                st.prefetch_bytes += tally.fetched_bytes
+                st.prefetch_requests += tally.requests
             self._listed_pending.discard(i)
             if not self._listed_pending:
                 self.listed_prefetched.set()
             self._publish()
-        log.info("event=prefetch layer=%s status=%s files=%d startup_files=%d chunks=%d bytes=%d requests=%d "
-                 "seconds=%.3f%s", st.layer, st.prefetch, files, len(startup), len(chunks), st.prefetch_bytes,
-                 st.prefetch_requests, st.prefetch_seconds,
+        log.info("event=%s layer=%s status=%s files=%d startup_files=%d chunks=%d bytes=%d requests=%d "
+                 "seconds=%.3f%s", self.event, st.layer, st.prefetch, files, len(startup), len(chunks),
+                 st.prefetch_bytes, st.prefetch_requests, st.prefetch_seconds,
                  f" error={st.prefetch_reason!r}" if st.prefetch == "failed" else "")
 
     async def _background(self) -> None:

@@ -37,7 +37,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import pyfuse3
 import trio
@@ -50,7 +50,7 @@ from snapshotter.formats.index import Chunk, Entry, EntryType, LayerIndex
 from snapshotter.fusefs.direct import DirectFiles
 from snapshotter.fusefs.ops import FsConfig, LayerReader, LazyOperations, ReadRecorder
 from snapshotter.fusefs.prefetch import ForegroundGate, Prefetcher, PrefetchSettings
-from snapshotter.fusefs.spare import Assignment, wait_for_assignment
+from snapshotter.fusefs.spare import Assignment, StartEarly, wait_for_assignment
 from snapshotter.fusefs.state import (  # noqa: F401  (LayerSpec, parse_state, ... are this module's API too)
     DEFAULT_READ_AHEAD_KB,
     STATE_VERSION,
@@ -64,6 +64,9 @@ from snapshotter.fusefs.stats import run_stats_writer
 from snapshotter.fusefs.tree import MountTree
 from snapshotter.gcpause import gc_paused
 from snapshotter.mountinfo import mount_device
+
+if TYPE_CHECKING:
+    from snapshotter.fusefs.early import EarlyPrefetch  # imports this module
 
 log = logging.getLogger(__name__)
 
@@ -237,6 +240,40 @@ async def _watch_signals(state: MountState, recorder: ReadRecorder, stop: trio.C
                 return
 
 
+async def _prefetch_after(prefetcher: Prefetcher, early: Sequence[EarlyPrefetch], env: ReaderEnv) -> None:
+    """prefetcher.run(), once the spare's early prefetches of the mount's layers (fusefs/early.py)
+    have ended, or after prefetch_timeout; what they fetched counts as the mount's prefetch, and
+    what they received from the registry as the mount's (its stats file's "registry")."""
+    names = {st.layer for st in prefetcher.layers}
+    client = env.shared.get("registry_client")
+    deadline = trio.current_time() + prefetcher.settings.prefetch_timeout
+    for e in early:
+        if e.layer_digest not in names:
+            continue
+        left = max(0.0, deadline - trio.current_time())
+        if await trio.to_thread.run_sync(e.wait, left, abandon_on_cancel=True):
+            prefetcher.credit(e.layer_digest, e.fetched_bytes, e.requests)
+            if client is not None:
+                client.stats.add(e.registry_stats)
+    await prefetcher.run()
+
+
+def _early_starter(reader_kinds: Mapping[str, ReaderFactory]) -> StartEarly:
+    """The spare's StartEarly: an EarlyPrefetch of the layer with these reader kinds, started;
+    None for a malformed "early" object."""
+    def start(index: LayerIndex, doc: object) -> EarlyPrefetch | None:
+        from snapshotter.fusefs.early import EarlyContext, EarlyPrefetch
+
+        context = EarlyContext.from_doc(doc)
+        if context is None:
+            log.info("event=early_prefetch_not_started reason=bad_early_object")
+            return None
+        early = EarlyPrefetch(index, context, reader_kinds)
+        early.start()
+        return early
+    return start
+
+
 async def _ready_after_prefetch(state: MountState, tree: MountTree, prefetcher: Prefetcher) -> None:
     """Write the ready file once the prefetch of every layer with a prefetch list ended or
     prefetch_timeout passed, whichever is first (the mount serves reads meanwhile; prefetch,
@@ -262,9 +299,11 @@ async def _ready_after_prefetch(state: MountState, tree: MountTree, prefetcher: 
 
 
 async def serve(state: MountState, tree: MountTree, reader_kinds: Mapping[str, ReaderFactory],
-                auth: Mapping[str, Any] | None = None) -> int:
+                auth: Mapping[str, Any] | None = None, early: Sequence[EarlyPrefetch] = ()) -> int:
     """Mount `tree` at state.mountpoint and serve it until stopped; returns the exit status.
-    auth: the daemon's registry authentication, for the readers (`ReaderEnv.auth`)."""
+    auth: the daemon's registry authentication, for the readers (`ReaderEnv.auth`). early: the
+    spare's early prefetches (fusefs/early.py): the mount's prefetch starts once those of its
+    layers have ended."""
     layer_specs = [spec for run in state.runs for spec in run]
     for spec in layer_specs:
         if spec.reader["kind"] not in reader_kinds:
@@ -303,7 +342,7 @@ async def serve(state: MountState, tree: MountTree, reader_kinds: Mapping[str, R
             log.info("serving %d inodes from %d layers at %s", len(tree), len(tree.layers), state.mountpoint)
             async with trio.open_nursery() as inner:
                 inner.start_soon(_watch_signals, state, recorder, inner.cancel_scope)
-                inner.start_soon(prefetcher.run)
+                inner.start_soon(_prefetch_after, prefetcher, early, env)
                 inner.start_soon(_ready_after_prefetch, state, tree, prefetcher)
                 inner.start_soon(meta_writer.when_quiet, prefetcher.gate)
                 if direct is not None:
@@ -402,14 +441,16 @@ def _replier(fd: int | None) -> Callable[[dict[str, object]], None]:
     return reply
 
 
-def await_assignment(stdin: BinaryIO, reply_fd: int | None = None) -> Assignment | None:
+def await_assignment(stdin: BinaryIO, reply_fd: int | None = None,
+                     start_early: StartEarly | None = None) -> Assignment | None:
     """The spare's wait (fusefs/spare.py: preloads, then one line {"state": PATH, "log": PATH} on
     `stdin`), or None at end of input. Takes the assignment: stdout/stderr go to the log file,
     stdin to /dev/null, and the working directory becomes the state file's directory (how the
     daemon recognises this process later). reply_fd: the daemon's reply pipe (remote/spare_replies.py),
-    closed here once the wait ends, so no answer is awaited from this process afterwards."""
+    closed here once the wait ends, so no answer is awaited from this process afterwards.
+    start_early: how the spare starts an early prefetch (fusefs/spare.py StartEarly), if it may."""
     try:
-        found = wait_for_assignment(stdin, reply=_replier(reply_fd))
+        found = wait_for_assignment(stdin, reply=_replier(reply_fd), start_early=start_early)
     finally:
         if reply_fd is not None:
             os.close(reply_fd)
@@ -453,6 +494,7 @@ def main(argv: Sequence[str] | None = None, *, reader_kinds: Mapping[str, Reader
     auth: dict[str, Any] = {}
     preloaded: dict[str, LayerIndex] = {}
     prebuilt: tuple[tuple[str, ...], MountTree] | None = None
+    found: Assignment | None = None
     if args.spare:
         from snapshotter.fetch.client import warm_up
 
@@ -463,7 +505,7 @@ def main(argv: Sequence[str] | None = None, *, reader_kinds: Mapping[str, Reader
         try:
             if args.reply_fd is not None:
                 os.set_inheritable(args.reply_fd, False)  # not into the metadata image writer
-            found = await_assignment(sys.stdin.buffer, args.reply_fd)
+            found = await_assignment(sys.stdin.buffer, args.reply_fd, _early_starter(kinds))
         except (OSError, ConfigError) as exc:
             log.error("%s", exc)
             return 2
@@ -472,11 +514,14 @@ def main(argv: Sequence[str] | None = None, *, reader_kinds: Mapping[str, Reader
         state_file, preloaded, auth = found.state, found.preloaded, found.auth
         if found.prebuilt is not None:
             prebuilt = (found.prebuilt.keys, found.prebuilt.tree)
+    early = found.early if found is not None else []  # layers prefetched before the assignment
     try:
         state = parse_state(Path(state_file).read_bytes(), state_file)
         with gc_paused():
             tree = load_tree(state, preloaded, prebuilt)
             del preloaded, prebuilt
+            if found is not None:
+                found.preloaded, found.prebuilt = {}, None  # only what the tree uses stays
             # The tree lives as long as the process: later collections need not scan it. Frozen
             # before the collector is back on, or its first pass scans the whole tree (9 ms for
             # 11,000 files, on the container's start path).
@@ -485,7 +530,7 @@ def main(argv: Sequence[str] | None = None, *, reader_kinds: Mapping[str, Reader
         log.error("%s", exc)
         return 2
     try:
-        return trio.run(serve, state, tree, kinds, auth)
+        return trio.run(serve, state, tree, kinds, auth, early)
     except (OSError, SnapshotterError) as exc:
         log.error("mount process failed: %s", exc)
         return 1

@@ -17,6 +17,9 @@ preloaded index only when it is the one the daemon persisted (fusefs/state.py lo
 Once every layer of the image being pulled (the list its lowest layer came with) has been parsed,
 its tree as one run of remote layers (the usual mount: every layer lazy) is built too; a mount whose state asks
 for exactly that tree, by parse keys and options, starts from it (`Prebuilt`).
+A preload may carry an "early" object (fusefs/early.py): right after parsing that layer, the
+spare starts its prefetch (`start_early`: its prefetch list and the start-up files it holds), and
+the mount it is assigned waits for the early prefetches of its layers before its own.
 A preload that fails (damaged file, bad metadata) is logged and dropped: the daemon's own parse
 decides what the layer is. Kept at most PRELOAD_TTL seconds and MAX_PRELOADS indexes.
 A preload with "index_out" and "id" asks for the index too: once parsed, it is written there
@@ -73,6 +76,7 @@ class Assignment:
     auth: dict[str, Any] = field(default_factory=dict)
     preloaded: dict[str, LayerIndex] = field(default_factory=dict)
     prebuilt: Prebuilt | None = None
+    early: list[Any] = field(default_factory=list)  # what `start_early` returned, oldest first
 
 
 class _Preloads:
@@ -85,6 +89,7 @@ class _Preloads:
         self.key_of_layer: dict[str, str] = {}
         self.chain: tuple[str, ...] = ()
         self.prebuilt: Prebuilt | None = None
+        self.early: list[Any] = []
 
     def expire(self) -> None:
         now = self.clock()
@@ -118,6 +123,7 @@ class _Preloads:
     def assignment(self, found: Assignment) -> Assignment:
         found.preloaded = {k: index for k, (_, index) in self.indexes.items()}
         found.prebuilt = self.prebuilt
+        found.early = list(self.early)
         return found
 
 
@@ -177,6 +183,9 @@ def _take_data(path: str) -> bytes:
 
 
 Reply = Callable[[dict[str, object]], None]
+# Called with a layer's index, just parsed, and its preload's "early" object: starts that layer's
+# early prefetch (fusefs/early.py) and returns it, or returns None (nothing to prefetch, bad object).
+StartEarly = Callable[[LayerIndex, object], Any]
 
 
 def _no_reply(answer: dict[str, object]) -> None:
@@ -184,10 +193,12 @@ def _no_reply(answer: dict[str, object]) -> None:
 
 
 def wait_for_assignment(stdin: BinaryIO, *, parse: Callable[[MetadataParse, bytes], LayerIndex] = parse_metadata,
-                        clock: Callable[[], float] = time.monotonic, reply: Reply = _no_reply) -> Assignment | None:
+                        clock: Callable[[], float] = time.monotonic, reply: Reply = _no_reply,
+                        start_early: StartEarly | None = None) -> Assignment | None:
     """Read `stdin` until the assignment (returned, with the preloaded indexes) or its end (None).
     A bad assignment line is a ConfigError; a bad preload is logged and dropped. reply: how a
-    preload that asked for its index is answered (the daemon's reply pipe)."""
+    preload that asked for its index is answered (the daemon's reply pipe). start_early: see
+    StartEarly (None: no early prefetch)."""
     lines: queue.Queue[object] = queue.Queue()
     assigned = threading.Event()
     threading.Thread(target=_read_lines, args=(stdin, lines, assigned), name="spare-stdin", daemon=True).start()
@@ -209,11 +220,12 @@ def wait_for_assignment(stdin: BinaryIO, *, parse: Callable[[MetadataParse, byte
         if not _is_preload(doc):
             return preloads.assignment(_assignment(doc, line))
         assert isinstance(doc, dict)
-        _preload(doc, line, preloads, skip=assigned.is_set(), parse=parse, reply=reply)
+        _preload(doc, line, preloads, skip=assigned.is_set(), parse=parse, reply=reply, start_early=start_early)
 
 
 def _preload(doc: dict[str, Any], line: bytes, preloads: _Preloads, *, skip: bool,
-             parse: Callable[[MetadataParse, bytes], LayerIndex], reply: Reply) -> None:
+             parse: Callable[[MetadataParse, bytes], LayerIndex], reply: Reply,
+             start_early: StartEarly | None = None) -> None:
     answer_id = doc.get("id")
     index_out = doc.get("index_out")
     wants_index = type(answer_id) is int and isinstance(index_out, str)
@@ -256,6 +268,15 @@ def _preload(doc: dict[str, Any], line: bytes, preloads: _Preloads, *, skip: boo
             decline(f"index not written: {exc}")
         else:
             reply({"id": answer_id, "ok": True, "toc_digest": index.toc_digest})
+    if start_early is not None and doc.get("early") is not None:
+        # After the answer: the daemon's Prepare waits for that, and the two would share the GIL.
+        try:
+            started = start_early(index, doc["early"])
+        except Exception as exc:  # only ever an optimization
+            log.warning("event=early_prefetch_not_started layer=%s error=%r", p.layer_digest, str(exc))
+        else:
+            if started is not None:
+                preloads.early = [*preloads.early[-(MAX_PRELOADS - 1):], started]
     log.info("event=preloaded layer=%s entries=%d seconds=%.3f index_out=%s", p.layer_digest, len(index.entries),
              preloads.clock() - began, "yes" if wants_index else "no")
     with gc_paused():  # the tree is object building without cycles, as in the mount (process.py)

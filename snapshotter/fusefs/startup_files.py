@@ -20,7 +20,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Iterator
 
-from snapshotter.formats.index import EntryType
+from snapshotter.formats.index import Entry, EntryType, LayerIndex
 from snapshotter.fusefs.tree import ROOT_INODE, MountTree, Node
 
 STARTUP_PATHS = ("etc/passwd", "etc/group", "etc/ld.so.cache")
@@ -113,3 +113,82 @@ def startup_files(tree: MountTree) -> dict[int, list[Node]]:
             seen.add(node.inode)
             by_layer.setdefault(node.layer, []).append(node)
     return by_layer
+
+
+def _resolve_in_layer(index: LayerIndex, path: str, *, directory: bool = False) -> tuple[str, Entry | None] | None:
+    """(name, entry) that `path` names in one layer's index with every symlink followed (absolute
+    targets relative to the layer root), or None when it leads nowhere in the layer. A directory
+    the index does not list on the way is taken as there (a TOC need not list every one), and so
+    is the last part when `directory` asks for one; the entry is then None (as for the root)."""
+    pending = [p for p in path.split("/") if p not in ("", ".")]
+    parts: list[str] = []
+    links = 0
+    entry: Entry | None = None
+    while pending:
+        part = pending.pop(0)
+        if part == "..":
+            if parts:
+                parts.pop()
+            continue
+        name = "/".join((*parts, part))
+        entry = index.get(name)
+        if entry is None:
+            if not pending and not directory:
+                return None
+            parts.append(part)
+            continue
+        if entry.type is EntryType.SYMLINK:
+            links += 1
+            if links > MAX_SYMLINKS:
+                return None
+            if entry.link_target.startswith("/"):
+                parts = []
+            pending[:0] = [p for p in entry.link_target.split("/") if p not in ("", ".")]
+            continue
+        if pending and entry.type is not EntryType.DIR:
+            return None
+        parts.append(part)
+    name = "/".join(parts)
+    return name, (index.get(name) if name else None)
+
+
+def _regular_in_layer(index: LayerIndex, path: str) -> Entry | None:
+    found = _resolve_in_layer(index, path)
+    entry = found[1] if found is not None else None
+    if entry is not None and entry.type is EntryType.HARDLINK:
+        entry = index.get(entry.link_target)
+    return entry if entry is not None and entry.type is EntryType.REG else None
+
+
+def layer_startup_entries(index: LayerIndex) -> list[Entry]:
+    """The regular files among the start-up files that one layer holds, by its own names alone
+    (each once, in lookup order): what a spare can prefetch before the image's tree exists
+    (fusefs/early.py). An upper layer of the image may replace one of them; the merged tree's
+    `startup_files` is what the mount itself fetches."""
+    found: list[Entry] = []
+
+    def take(entry: Entry | None) -> None:
+        if entry is not None and all(entry is not e for e in found):
+            found.append(entry)
+
+    for path in STARTUP_PATHS:
+        take(_regular_in_layer(index, path))
+    # Every loader pattern starts "ld-": one quick pass picks the few names worth matching.
+    candidates = [e.name for e in index.entries if "ld-" in e.name]
+    for directory in LOADER_DIRS:
+        resolved = _resolve_in_layer(index, directory, directory=True)
+        if resolved is None or (resolved[1] is not None and resolved[1].type is not EntryType.DIR):
+            continue
+        prefix = f"{resolved[0]}/" if resolved[0] else ""
+        for name in candidates:
+            base = name[len(prefix):]
+            if not name.startswith(prefix) or "/" in base or \
+                    not any(fnmatch.fnmatchcase(base, pattern) for pattern in LOADER_PATTERNS):
+                continue
+            loader_path = _resolve_in_layer(index, f"{directory}/{base}")
+            loader = _regular_in_layer(index, f"{directory}/{base}")
+            take(loader)
+            if loader is not None and loader_path is not None and base.startswith("ld-linux"):
+                parent = loader_path[0].rpartition("/")[0]
+                take(_regular_in_layer(index, f"{parent}/{LIBC_NAME}" if parent else LIBC_NAME))
+    return found

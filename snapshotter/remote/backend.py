@@ -14,6 +14,7 @@ and the overlay lowerdir interleaves those subtrees with the local layers' dirs 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -87,7 +88,16 @@ class Mounter(Protocol):
     def direct_dir(self, mount_id: str) -> str | None: ...
     def prune_metadata_images(self) -> list[str]: ...
     def preload(self, parse: MetadataParse, data: bytes, key: str, image_layers: tuple[str, ...] = (), *,
-                want_index: bool = False) -> SpareWait | None: ...
+                want_index: bool = False, early: Mapping[str, Any] | None = None) -> SpareWait | None: ...
+
+
+def early_object(config: Config, image_ref: str, parse: MetadataParse, *, plain_http_hosts: Collection[str],
+                 auth: Mapping[str, Any]) -> dict[str, Any]:
+    """What the spare needs to prefetch a layer before its mount is assigned (fusefs/early.py):
+    its reader spec, as a mount's state names it, and what the state and assignment carry."""
+    return {"reader": {"kind": "registry", "image_ref": image_ref, "layer_digest": parse.layer_digest,
+                       "blob_size": parse.blob_size},
+            "config": dataclasses.asdict(config), "plain_http_hosts": sorted(plain_http_hosts), "auth": dict(auth)}
 
 
 def fallback_reason(exc: BaseException) -> str:
@@ -178,7 +188,13 @@ class RemoteBackend:
         def preload(parse: MetadataParse, data: bytes, key: str, image_layers: tuple[str, ...]) -> SpareWait | None:
             # The spare parses these bytes anyway; its index, when it gives one, spares the daemon
             # the parse's memory peak (remote/spare_replies.py).
-            return self.mounter.preload(parse, data, key, image_layers if whole_image else (), want_index=True)
+            early = None
+            if self.config.mount_on_pull:  # the pulled image's mount prefetches on pull anyway: start it now
+                early = early_object(self.config, ref.image_ref, parse,
+                                     plain_http_hosts=self.resolve_loop.plain_http_hosts(),
+                                     auth=self.resolve_loop.auth_handoff({ref.image_ref}))
+            return self.mounter.preload(parse, data, key, image_layers if whole_image else (), want_index=True,
+                                        early=early)
 
         async def job(client: RegistryClient) -> tuple[ResolvedLayer, int]:
             with counting_bytes() as fetched:

@@ -378,13 +378,15 @@ class MountManager:
                     spare.stdin.close()
 
     def preload(self, parse: MetadataParse, data: bytes, key: str, image_layers: tuple[str, ...] = (), *,
-                want_index: bool = False) -> SpareWait | None:
+                want_index: bool = False, early: Mapping[str, Any] | None = None) -> SpareWait | None:
         """Hand the waiting spare a layer's metadata to parse while the daemon parses it too (see
         the module docstring); key: `parse.key(data)`; image_layers: for an image's lowest layer, the image's layers
         (the spare builds the image's tree once it has them all), else empty. Never blocks, never raises: without a
         spare, or on any failure, the preload is dropped and the mount loads the persisted index.
         want_index: ask the spare to write the index it parses to a file and say so; returned is then
-        the wait for that answer (None: not asked, because there is nothing to parse or no spare took it)."""
+        the wait for that answer (None: not asked, because there is nothing to parse or no spare took it).
+        early: the layer's "early" object (remote/backend.py `early_object`), sent along with
+        `mount_on_pull` and when its auth hand-off fits in MAX_AUTH_HANDOFF bytes."""
         if not self.config.preload_metadata:
             return None
         with self._spare_lock:
@@ -393,6 +395,9 @@ class MountManager:
             return None
         path = self.preload_dir / key
         doc: dict[str, object] = {"preload": parse.to_doc(), "data": str(path), "layers": list(image_layers)}
+        if early is not None and self.config.mount_on_pull and \
+                len(json.dumps(early.get("auth") or {})) <= MAX_AUTH_HANDOFF:
+            doc["early"] = early
         index_out: Path | None = None
         if want_index and replies is not None and not replies.closed and parse.kind != NYDUS_BLOB:
             answer_id = replies.new_id()

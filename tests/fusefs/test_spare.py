@@ -297,3 +297,38 @@ def test_preloads_skipped_behind_the_assignment_are_answered_not_ok(tmp_path: Pa
     assert found is not None
     assert answers == [{"id": 7, "ok": False, "why": "skipped: handed a mount"}]
     assert not (tmp_path / "late.index").exists()
+
+
+def test_a_preload_with_an_early_object_starts_that_layers_early_prefetch(tmp_path: Path,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """start_early gets the parsed index and the preload's "early" object of each layer that came
+    with one, in order; what it returns rides on the assignment. One that raises or returns None
+    is left out, and the spare goes on."""
+    caplog.set_level(logging.INFO, logger="snapshotter.fusefs.spare")
+    (tmp_path / "in").mkdir()
+    p0, d0, _ = _member(BASE)
+    p1, d1, _ = _member(TOP)
+    with_early = [json.loads(_preload_line(tmp_path / "in", p0, d0, (L0, L1))),
+                  json.loads(_preload_line(tmp_path / "in", p1, d1, ()))]
+    with_early[0]["early"] = {"reader": {"layer_digest": L0}}
+    with_early[1]["early"] = {"reader": {"layer_digest": L1}}
+    plain = _preload_line(tmp_path / "in", p1, d1, ())
+    assignment = json.dumps({"state": "/x/state.json", "log": None}).encode() + b"\n"
+    calls: list[tuple[int, object]] = []
+
+    def start_early(index: LayerIndex, doc: object) -> object:
+        calls.append((len(index.entries), doc))
+        if len(calls) == 2:
+            raise RuntimeError("no thread for you")
+        return f"early-{len(calls)}"
+
+    lines = [json.dumps(d).encode() + b"\n" for d in with_early] + [plain, assignment]
+    parsed: list[str] = []
+    found = wait_for_assignment(_Feed(lines, parsed, 3), parse=_counting(parsed),  # type: ignore[arg-type]
+                                start_early=start_early)
+    assert found is not None and found.early == ["early-1"]
+    i0, i1 = parse_metadata(p0, d0), parse_metadata(p1, d1)
+    assert calls == [(len(i0.entries), {"reader": {"layer_digest": L0}}),
+                     (len(i1.entries), {"reader": {"layer_digest": L1}})]  # the plain preload: no call
+    assert "event=early_prefetch_not_started" in caplog.text and "no thread for you" in caplog.text
+    assert found.prebuilt is not None  # the tree is built ahead as before

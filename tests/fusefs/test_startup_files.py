@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from snapshotter.formats.index import EntryType
-from snapshotter.fusefs.startup_files import startup_files
+from snapshotter.fusefs.startup_files import layer_startup_entries, startup_files
 from snapshotter.fusefs.tree import MountTree, build_tree
 from tests.fusefs.layers import Layer
 
@@ -66,3 +66,39 @@ def test_with_subtrees_the_topmost_run_holding_a_path_wins_and_a_whiteout_hides_
     found = _paths(tree)
     assert found[1] == ["1/etc/passwd"]
     assert found[0] == ["0/etc/ld.so.cache", f"0/{LIBDIR}/ld-linux-x86-64.so.2", f"0/{LIBDIR}/libc.so.6"]
+
+
+# -- one layer by its own names (the spare's early prefetch, before any tree exists) ----------------
+
+def _names(layer: Layer) -> list[str]:
+    return [e.name for e in layer_startup_entries(layer.index())]
+
+
+def test_one_layer_alone_gives_what_its_single_layer_tree_gives() -> None:
+    for layer in (_debian(), Layer().dir("etc").file("etc/passwd", b"root:x:0:0\n").dir("lib")
+                  .file("lib/ld-musl-x86_64.so.1", b"\x7fELF musl", mode=0o755)):
+        tree = build_tree([[layer.index()]], subtrees=False)
+        assert _names(layer) == [p for paths in _paths(tree).values() for p in paths]
+    assert _names(_debian()) == ["etc/passwd", "etc/group", "etc/ld.so.cache", f"{LIBDIR}/ld-linux-x86-64.so.2",
+                                 f"{LIBDIR}/libc.so.6"]
+
+
+def test_one_layer_follows_hard_links_and_directories_its_toc_does_not_list() -> None:
+    # No directory entries at all (a TOC need not list them); /etc/group is a hard link of
+    # /etc/passwd, so one file.
+    bare = (Layer().file("etc/passwd", b"root:x:0:0\n").hardlink("etc/group", "etc/passwd")
+            .file("lib/x86_64-linux-gnu/ld-linux-x86-64.so.2", b"\x7fELF", mode=0o755)
+            .file("lib/x86_64-linux-gnu/libc.so.6", b"\x7fELF libc", mode=0o755)
+            .symlink("lib64", "lib/x86_64-linux-gnu"))
+    assert _names(bare) == ["etc/passwd", "lib/x86_64-linux-gnu/ld-linux-x86-64.so.2",
+                            "lib/x86_64-linux-gnu/libc.so.6"]
+
+
+def test_one_layer_without_them_or_with_broken_links_gives_nothing() -> None:
+    odd = (Layer().dir("etc").symlink("etc/passwd", "/etc/passwd").symlink("etc/group", "missing")
+           .dir("etc/ld.so.cache").symlink("lib64", "lib64/..").dir("lib")
+           .symlink("lib/ld-linux-aarch64.so.1", "/nowhere/ld.so"))
+    assert _names(odd) == []
+    assert _names(Layer().file("app", b"static binary")) == []
+    # An upper layer holding only a new /etc/passwd gives just that (the merged tree decides the rest).
+    assert _names(Layer().dir("etc").file("etc/passwd", b"root:x:0:0\n")) == ["etc/passwd"]

@@ -26,7 +26,8 @@ import pytest
 from integration import images
 from integration.lab import REPO_ROOT, Lab
 from snapshotter.cache import ChunkCache
-from tests.integration.test_lazy import daemon_config, manifest_layers
+from snapshotter.remote.mounts import SPARE_LOG as SPARE_LOG_NAME
+from tests.integration.test_lazy import _wait_for, daemon_config, manifest_layers
 
 PY = str(REPO_ROOT / ".venv" / "bin" / "python")
 APP_FILES = {f"app/f{i:02d}": images.deterministic_bytes(20_000 + 1_000 * i, seed=100 + i) for i in range(40)}
@@ -301,3 +302,63 @@ def test_background_fetch_fills_the_cache_under_its_cap(lab: Lab, big_image: str
     assert abs(own_rate - RATE) <= 0.1 * RATE, reported
     print(f"background: {len(big)} requests, {sum(g.written for g in big)} bytes, registry-measured "
           f"{measured:.0f} B/s, self-reported {own_rate:.0f} B/s, cap {RATE}")
+
+
+# -- (c) the spare's early prefetch ---------------------------------------------------------------
+
+def test_the_spare_prefetches_a_pulled_layers_start_up_files_before_its_mount_is_assigned(lab: Lab) -> None:
+    """On a pull, the spare starts fetching the start-up files of the layer it just parsed before
+    it is handed the image's mount (its log says so before the assignment moves its output to
+    the mount's log); the mount, started on pull, waits for that and fetches none of them again:
+    the registry sent the base layer its tail and the early prefetch's requests, nothing more,
+    and the mount counts the early requests and bytes as its prefetch's and its registry's."""
+    ns = "early"
+    mounts_dir = lab.snapshotter_root / "mounts"
+    spare_log = mounts_dir / SPARE_LOG_NAME
+    _wait_for("a waiting spare", lambda: "event=spare_waiting" in spare_log.read_text(errors="replace")
+              if spare_log.exists() else False)
+    unique = os.urandom(8).hex()
+    startup = {"etc/passwd": f"root:x:0:0:{unique}:/root:/bin/sh\n".encode(), "etc/group": b"root:x:0:\n",
+               "lib/ld-linux-x86-64.so.2": images.deterministic_bytes(300_000, seed=21),
+               "lib/libc.so.6": images.deterministic_bytes(500_000, seed=22)}
+    base_layer = [*images.busybox_entries(), images.Dir("lib"),
+                  *[images.File(name, data, 0o755) for name, data in startup.items()],
+                  images.File("etc/not-at-start", images.deterministic_bytes(400_000, seed=23))]
+    img = images.build_image(lab.dir / "oci", f"early-{unique}",
+                             [base_layer, [images.File("etc/top.txt", f"top {unique}\n".encode())]], cmd=("/bin/sh",))
+    ref = lab.push_converted(lab.push(img, "early"), f"{lab.registry_host}/early:esgz-{unique}")
+    base = layer_digests(lab, ref)[0]
+    gets_before = len(blob_gets(lab, "early"))
+    lab.ctr_remote("image", "rpull", "--plain-http", "--snapshotter", "lazy", ref, namespace=ns)
+    try:
+        # The mount started on pull: its own prefetch line comes once the early one has ended.
+        top = layer_digests(lab, ref)[-1]
+
+        def started() -> Path | None:
+            with contextlib.suppress(AssertionError):
+                return mount_dir_for(lab, top)
+            return None
+
+        found = _wait_for("the mount started on pull", started)
+        assert isinstance(found, Path)
+        mount_dir = found
+        _wait_for("the mount's prefetch", lambda: f"event=prefetch layer={base} " in
+                  (mount_dir / "log").read_text(errors="replace"))
+        before_assignment = spare_log.read_text(errors="replace")
+        assert f"event=early_prefetch_started layer={base}" in before_assignment, before_assignment[-2000:]
+        logs = before_assignment + (mount_dir / "log").read_text(errors="replace")
+        early = [e for e in events(logs, "early_prefetch") if e.get("layer") == base]
+        assert len(early) == 1 and early[0]["status"] == "done", logs[-3000:]
+        assert early[0]["files"] == "4", early  # passwd, group, the loader and libc next to it
+        early_requests, early_bytes = int(early[0]["requests"]), int(early[0]["bytes"])
+        assert early_requests >= 1 and early_bytes >= 800_000, early
+        own = [e for e in events(logs, "prefetch") if e.get("layer") == base]
+        assert len(own) == 1 and own[0]["status"] == "done", own
+        assert (int(own[0]["requests"]), int(own[0]["bytes"])) == (early_requests, early_bytes), own
+        # The registry: the resolve's tail request and the early prefetch's, nothing else.
+        base_gets = [g for g in blob_gets(lab, "early")[gets_before:] if g.digest == base]
+        assert len(base_gets) == 1 + early_requests, base_gets
+        stats = wait_stats(mount_dir, lambda doc: doc.get("registry", {}).get("bytes_received", 0) >= early_bytes)
+        assert stats["registry"]["requests"] >= early_requests
+    finally:
+        lab.ctr("images", "rm", "--sync", ref, namespace=ns, check=False)

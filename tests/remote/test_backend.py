@@ -65,6 +65,7 @@ class FakeMounter:
         self.spare_parses = False  # answer preloads that ask for the index, as the spare does
         self.pruned = 0  # calls of prune_metadata_images
         self.preloads: list[tuple[MetadataParse, bytes, tuple[str, ...]]] = []  # (parse, data, image layers)
+        self.early: list[Mapping[str, Any] | None] = []  # each preload's "early" object
 
     def ensure(self, mount_id: str, runs: list[list[RemoteLayer]], *, bare_runs: tuple[int, ...] = (),
                ahead: bool = False, plain_http_hosts: Collection[str] = (),
@@ -93,9 +94,10 @@ class FakeMounter:
         return []
 
     def preload(self, parse: MetadataParse, data: bytes, key: str, image_layers: tuple[str, ...] = (), *,
-                want_index: bool = False) -> SpareWait | None:
+                want_index: bool = False, early: Mapping[str, Any] | None = None) -> SpareWait | None:
         assert key == parse.key(data)
         self.preloads.append((parse, data, image_layers))
+        self.early.append(early)
         if not (want_index and self.spare_parses):
             return None
         # As the spare: parse, write the index file, answer (remote/spare_replies.py).
@@ -584,7 +586,7 @@ def test_a_spare_that_gives_no_index_leaves_the_parse_to_the_daemon(
     waits: list[float] = []
 
     def declining(parse: MetadataParse, data: bytes, key: str, image_layers: tuple[str, ...] = (), *,
-                  want_index: bool = False) -> SpareWait | None:
+                  want_index: bool = False, early: Mapping[str, Any] | None = None) -> SpareWait | None:
         assert want_index
         mounter.preloads.append((parse, data, image_layers))
         return lambda timeout: waits.append(timeout)  # type: ignore[func-returns-value]
@@ -654,3 +656,33 @@ def test_a_zstd_chunked_toc_digest_label_is_checked_whoever_parses(
             "containerd.io/snapshot/stargz/toc.digest": result.toc_digest}))
     meta = be.layers.meta(layer)
     assert meta is not None and meta.format == "zstdchunked" and meta.toc_digest == result.toc_digest
+
+
+def test_preloads_carry_what_the_spare_needs_to_prefetch_early_only_with_mount_on_pull(
+        backend: tuple[RemoteBackend, FakeMounter], registry: RegistryProcess, tmp_path: Path) -> None:
+    """With mount_on_pull (the default) each preload carries the layer's reader spec, the config,
+    the hosts found to answer plain HTTP and the auth hand-off (fusefs/early.py); without it none
+    does: an image pulled but never run then costs no prefetch."""
+    be, mounter = backend
+    blob, _toc = _estargz({"etc/passwd": b"root:x:0:0::/root:/bin/sh\n"})
+    image = push_image(registry.url, "lazy/early", "v1", [blob])
+    (layer,) = image.layers
+    with pytest.raises(AlreadyExists):
+        be.prepare("default/1/extract-1", "", _labels(image.ref, layer, "sha256:early1"))
+    (early,) = mounter.early
+    assert early is not None
+    assert early["reader"] == {"kind": "registry", "image_ref": image.ref, "layer_digest": layer,
+                               "blob_size": len(blob)}
+    assert early["config"]["root"] == be.config.root and early["config"]["mount_on_pull"] is True
+    assert early["plain_http_hosts"] == [registry.host]  # the loopback registry answers plain HTTP
+    assert isinstance(early["auth"], dict)
+
+    off = Config(root=str(tmp_path / "off"), resolve_timeout=5.0, mount_on_pull=False)
+    quiet = FakeMounter(tmp_path)
+    be_off = RemoteBackend(Snapshotter(tmp_path / "off"), off, quiet)
+    try:
+        with pytest.raises(AlreadyExists):
+            be_off.prepare("default/1/extract-1", "", _labels(image.ref, layer, "sha256:early2"))
+    finally:
+        be_off.close()
+    assert quiet.early == [None] and len(quiet.preloads) == 1
