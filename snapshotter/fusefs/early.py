@@ -12,8 +12,9 @@ round trip off a cold `true`'s path (the mount used to fetch them only once it s
 The mount the spare is assigned waits, before its own prefetch, for the early prefetches of its
 layers to end (at most its prefetch_timeout); its prefetch then finds those chunks cached, and
 counts what the early one fetched as its own (`Prefetcher.credit`). A read that needs a chunk the
-early prefetch is still fetching fetches it too (the two do not share a single flight); a file an
-upper layer replaces was fetched for nothing (the mount fetches the merged tree's start-up files).
+early prefetch is still fetching waits for that fetch (the process's shared flights,
+reader/shared_flights.py), not sending a request of its own; a file an upper layer replaces was
+fetched for nothing (the mount fetches the merged tree's start-up files).
 An early prefetch that fails only costs the mount's own prefetch, as before. The daemon sends
 "early" only with `mount_on_pull`, under which the pulled image's mount prefetches these files on
 pull anyway.

@@ -67,6 +67,7 @@ from snapshotter.reader.causes import FETCH_CAUSES
 from snapshotter.reader.keys import chunk_key
 from snapshotter.reader.neighbours import BlobOrder
 from snapshotter.reader.runstream import CacheTarget, ChunkOutcome, MemoryTarget, RunDecoder, TargetFactory
+from snapshotter.reader.shared_flights import PROCESS_FLIGHTS, SharedFlights
 from snapshotter.reader.source import RangeSource, StreamingRangeSource
 from snapshotter.reader.units import UNIT_BYTES, decode_unit, is_verified, units, units_for
 
@@ -157,6 +158,7 @@ class ReaderStatistics:
     cache_put_failures: int = 0
     cache_misses: int = 0
     amplified_chunks: int = 0
+    shared_waits: int = 0  # chunks a read or prefetch waited for another loop's reader to fetch
     fetched_bytes_by_cause: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FETCH_CAUSES, 0))
 
 
@@ -211,6 +213,7 @@ class _Job:
     requests: int = 0
     fetched_bytes: int = 0
     skipped: int = 0
+    shared: bool = False  # its chunks are claimed in the process's shared table (see _lead)
 
 
 @dataclass
@@ -275,8 +278,13 @@ class LayerReader:
         config: ReaderConfig | None = None,
         nursery: trio.Nursery | None = None,
         order: BlobOrder | None = None,
+        shared: SharedFlights | None = PROCESS_FLIGHTS,
     ) -> None:
         self.source = source
+        # Fetches of this cache's chunks by readers on other event loops of this process
+        # (reader/shared_flights.py); None: this reader meets only its own flights.
+        self._shared = shared if cache is not None else None
+        self._scope = str(cache.root) if cache is not None else ""
         self._order = order
         self.blobs = tuple(blobs)
         self.cache = cache
@@ -537,6 +545,13 @@ class LayerReader:
         is cancelled, and removed from the in-flight table.
         """
         try:
+            # Claimed before the cache is looked at: a reader on another loop stores a chunk
+            # before it ends its claim, so a chunk is either in the cache by now or still claimed.
+            foreign: list[str] = []
+            if self._sharing(job):
+                assert self._shared is not None
+                job.shared = True
+                foreign = self._shared.claim(self._scope, job.chunks, self)
             # Re-check the cache: a fetch of these chunks may have completed (and left the
             # in-flight table) while our caller was looking them up.
             cache = self.cache
@@ -550,6 +565,9 @@ class LayerReader:
                 for key in present:
                     job.flights[key].finish(stored=True)
                     del job.chunks[key]
+            foreign = [key for key in foreign if key in job.chunks]
+            if foreign:
+                await self._wait_for_other_loops(job, foreign)
             async with trio.open_nursery() as nursery:
                 for run in self._runs(job.chunks, job.max_gap, job.max_run_bytes):
                     nursery.start_soon(self._lead_run, job, run, background)
@@ -558,6 +576,29 @@ class LayerReader:
                 flight.abandon()
                 if not flight.storing:
                     self._forget_flight(key, flight)
+            if job.shared and self._shared is not None:
+                self._shared.release(self._scope, job.flights, self)
+
+    def _sharing(self, job: _Job) -> bool:
+        """Whether the job's fetches meet other loops' (they end in the cache, where a waiter looks)."""
+        return self._shared is not None and job.trust_cache and not job.in_memory and bool(job.chunks)
+
+    async def _wait_for_other_loops(self, job: _Job, foreign: list[str]) -> None:
+        """Wait for the `foreign` chunks of the job, which readers on other loops are fetching
+        (at most fetch_timeout), then take from the job those that reached the cache meanwhile.
+        The rest stays in the job, claimed now by this reader, which fetches it."""
+        assert self._shared is not None and self.cache is not None
+        self.stats.shared_waits += len(foreign)
+        await self._shared.wait(self._scope, foreign, self.config.fetch_timeout)
+        try:
+            present = await trio.to_thread.run_sync(self.cache.present, foreign, limiter=self._cache_limiter)
+        except CacheError as exc:
+            log.warning("%s", exc)
+            present = set()
+        for key in present:
+            job.flights[key].finish(stored=True)
+            del job.chunks[key]
+        self._shared.claim(self._scope, job.chunks, self)
 
     def _forget_flight(self, key: str, flight: _Flight) -> None:
         if self._flights.get(key) is flight:
@@ -661,6 +702,8 @@ class LayerReader:
             flight.finish(data=outcome.data, stored=outcome.stored)
             if outcome.stored:
                 self._forget_flight(key, flight)  # in the cache: later readers find it there
+                if job.shared and self._shared is not None:
+                    self._shared.release(self._scope, (key,), self)
             if outcome.data is not None and self.cache is not None and not job.in_memory:
                 self.stats.cache_put_failures += 1  # verified, but the cache had no room
 
