@@ -47,9 +47,11 @@ import argparse
 import contextlib
 import csv
 import datetime
+import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -407,12 +409,39 @@ def _pid_of(lab: Lab, name: str) -> int:
     return next(p.pid for p in lab.procs if p.name == name and p.popen.poll() is None)
 
 
+def keep_mount_logs(lab: Lab, dest: Path) -> None:
+    """Copy every log under the daemon's ROOT/mounts (the spare's, each mount process's) into
+    dest/mounts: taken when the clock stops, as a mount's directory goes when the mount stops."""
+    mounts = lab.snapshotter_root / "mounts"
+    # Not a recursive walk: each mount's directory holds its FUSE mount point.
+    for log in [*mounts.glob("*.log"), *mounts.glob("*/log")]:
+        target = dest / "mounts" / log.relative_to(mounts)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):  # a mount stopping meanwhile takes its log with it
+            shutil.copyfile(log, target)
+
+
+def keep_run_logs(lab: Lab, dest: Path, offsets: dict[str, int], marks: dict[str, float]) -> None:
+    """Copy into `dest` the part of each lab log (daemon, containerd, registry) written since
+    `offsets` were taken, and the run's clock `marks` (wall-clock seconds, so they line up with
+    the logs' timestamps)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name, path in lab.log_paths().items():
+        with open(path, "rb") as f:
+            f.seek(offsets.get(name, 0))
+            (dest / f"{name}.log").write_bytes(f.read())
+    (dest / "marks.json").write_text(json.dumps(marks, indent=1) + "\n")
+
+
 def one_run(lab: Lab, *, image: str, workload: str, net: str, variant: str, rep: int, ref: str,
-            argv: Sequence[str], expect: str | None, warm_settle: float = WARM_SETTLE) -> RunResult:
+            argv: Sequence[str], expect: str | None, warm_settle: float = WARM_SETTLE,
+            keep_logs: Path | None = None) -> RunResult:
     cold_reset(lab)
     load1 = os.getloadavg()[0]
     reg_log = lab.logs_dir / "registry.log"
     offset = reg_log.stat().st_size
+    log_offsets = {name: path.stat().st_size for name, path in lab.log_paths().items()}
+    marks: dict[str, float] = {}
     daemon_log_at = len(lab.daemon_log())
     sampler = Sampler(_pid_of(lab, "snapshotter"), _pid_of(lab, "containerd"), lab.snapshotter_root / "mounts")
     sampler.start()
@@ -421,6 +450,7 @@ def one_run(lab: Lab, *, image: str, workload: str, net: str, variant: str, rep:
     prime = WARM_PRIME.get(image, {}).get(workload)
     try:
         t0 = time.monotonic()
+        marks["pull_start"] = time.time()
         if lazy:
             lab.ctr_remote("image", "rpull", "--plain-http", "--snapshotter", "lazy", ref, timeout=STEP_TIMEOUT)
         else:
@@ -431,14 +461,19 @@ def one_run(lab: Lab, *, image: str, workload: str, net: str, variant: str, rep:
             time.sleep(warm_settle)
             drop_page_cache()
         t1 = time.monotonic()
+        marks["run_start"] = time.time()
         done = lab.ctr_run(ref, f"bench-{uuid.uuid4().hex[:10]}", *argv, snapshotter=snapshotter, timeout=STEP_TIMEOUT)
         out = done.stdout
         t2 = time.monotonic()
+        marks["run_end"] = time.time()
     finally:
         sampler.stop()
     if expect is not None and expect.strip() not in out:
         raise BenchError(f"{variant} {image} {workload}: unexpected output {out[:300]!r} (wanted {expect!r})")
     inner = inner_seconds(done.stderr) if prime is not None else 0.0
+    kept = keep_logs / f"{image}-{workload}-{net}-{variant}-{rep}" if keep_logs is not None else None
+    if kept is not None:
+        keep_mount_logs(lab, kept)
     needed = 0
     if lazy:  # the mount reports what reads touched when it stops: stop it (the clock has stopped)
         lab.ctr("images", "rm", "--sync", ref, timeout=300)
@@ -448,6 +483,8 @@ def one_run(lab: Lab, *, image: str, workload: str, net: str, variant: str, rep:
     fetched, requests = registry_bytes(reg_log, offset)
     if lazy:
         needed = needed_bytes(lab.daemon_log()[daemon_log_at:], fetched)
+    if kept is not None:
+        keep_run_logs(lab, kept, log_offsets, marks)
     return RunResult(image, workload, net, variant, rep, round(t1 - t0, 3), round(t2 - t1, 3), round(t2 - t0, 3),
                      fetched, requests, sampler.daemon_kib if lazy else 0, sampler.mount_kib if lazy else 0,
                      sampler.containerd_kib, round(load1, 2), round(inner, 3), needed)
@@ -541,6 +578,7 @@ class Config:
     shaper: str = "port"
     results_md: Path | None = None
     warm_settle: float = WARM_SETTLE
+    keep_logs: Path | None = None
     command: str = ""
 
 
@@ -583,7 +621,7 @@ def run_bench(cfg: Config) -> Report:
                             ref = f"{host}/bench-{image}:{tags[variant]}"
                             res = one_run(lab, image=image, workload=workload, net=net.name, variant=variant,
                                           rep=rep, ref=ref, argv=argv, expect=expect,
-                                          warm_settle=cfg.warm_settle)
+                                          warm_settle=cfg.warm_settle, keep_logs=cfg.keep_logs)
                             report.runs.append(res)
                             print(f"{image} {workload:7} {net.name:9} {variant:16} rep {rep}: pull {res.pull_s:.2f}s "
                                   f"run {res.run_s:.2f}s total {res.total_s:.2f}s "
@@ -870,6 +908,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     p.add_argument("--results-md", type=Path, help="also write the Markdown report here")
     p.add_argument("--warm-settle", type=float, default=WARM_SETTLE,
                    help=f"seconds a warm cell waits after its first run, every variant alike (default {WARM_SETTLE:g})")
+    p.add_argument("--keep-logs", type=Path, metavar="DIR",
+                   help="keep each run's logs (daemon, mounts, containerd, registry; clock marks) "
+                        "in DIR/IMAGE-WORKLOAD-NET-VARIANT-REP")
     a = p.parse_args(argv)
     images = ["small", "big"] if a.images == "all" else _csv_list(a.images)
     for im in images:
@@ -890,7 +931,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     return Config(
         n=a.n, images=tuple(images), formats=tuple(formats), nets=nets,
         workloads=tuple(_csv_list(a.workloads)) or None, out=a.out, cache=a.cache, shaper=a.shaper,
-        results_md=a.results_md, warm_settle=a.warm_settle,
+        results_md=a.results_md, warm_settle=a.warm_settle, keep_logs=a.keep_logs,
         command="python -m integration.bench.run " + shlex.join(list(argv if argv is not None else sys.argv[1:])),
     )
 
