@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -181,13 +181,17 @@ def write_image(tree: MountTree, state: MountState, image_path: Path) -> int:
         return len(image)
 
 
-def fork_writer(tree: MountTree, state: MountState, image_path: Path) -> int | None:
+def fork_writer(tree: MountTree, state: MountState, image_path: Path | None,
+                first: Callable[[], None] | None = None) -> int | None:
     """Write the metadata image from a forked child at SCHED_IDLE (it shares the tree already in
-    memory: no indexes to load again, and the parent's memory does not grow). Returns the
-    child's pid, or None when there is nothing to write. The child closes every inherited file
-    descriptor first (the FUSE device among them), touches nothing of the parent's event loop,
-    and ends with os._exit: 0 when written (or already there), 1 on any failure."""
-    if image_path.exists() or unstackable(state) is not None:
+    memory: no indexes to load again, and the parent's memory does not grow), after `first`
+    (other writing of the mount's, e.g. derived indexes, done by the same child). Returns the
+    child's pid, or None when there is nothing to write (no `first`, and no image wanted or it
+    is there). The child closes every inherited file descriptor first (the FUSE device among
+    them), touches nothing of the parent's event loop, and ends with os._exit: 0 when written
+    (or already there), 1 on any failure."""
+    image_wanted = image_path is not None and not image_path.exists() and unstackable(state) is None
+    if not image_wanted and first is None:
         return None
     import snapshotter.fusefs.metaimage  # noqa: F401  (imported here, so the child imports nothing)
 
@@ -201,7 +205,11 @@ def fork_writer(tree: MountTree, state: MountState, image_path: Path) -> int | N
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         except (OSError, AttributeError):
             pass
-        write_image(tree, state, image_path)
+        if first is not None:
+            first()
+        if image_wanted:
+            assert image_path is not None
+            write_image(tree, state, image_path)
         status = 0
     except BaseException:  # noqa: BLE001 - a child must never return into the parent's code
         pass

@@ -34,7 +34,7 @@ import signal
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -64,6 +64,7 @@ from snapshotter.fusefs.stats import run_stats_writer
 from snapshotter.fusefs.tree import MountTree
 from snapshotter.gcpause import gc_paused
 from snapshotter.mountinfo import mount_device
+from snapshotter.remote.store import METADATA_FILE, write_derived_index
 
 if TYPE_CHECKING:
     from snapshotter.fusefs.early import EarlyPrefetch  # imports this module
@@ -387,10 +388,13 @@ META_QUIET = 1.0  # seconds without a filesystem request before the metadata ima
 
 
 class MetaWriter:
-    """Writes the mount's metadata image (state "meta_image": its path) once, from a forked child
-    (metamount.fork_writer), when the mount has been quiet for META_QUIET seconds, or when it
-    stops if it never was: never while a container is starting on it. The daemon mounts the
-    image next to this mount when it appears (remote/metaimages.py)."""
+    """Writes what the mount keeps of its tree for later once, from a forked child, when the
+    mount has been quiet for META_QUIET seconds, or when it stops if it never was: never while a
+    container is starting on it. That is the index of each layer the daemon stored as metadata
+    bytes only (remote/store.py `write_derived_index`: later mounts and the daemon's collection
+    then load it instead of parsing the bytes), then the metadata image (state "meta_image": its
+    path; metamount.fork_writer), which the daemon mounts next to this mount when it appears
+    (remote/metaimages.py)."""
 
     def __init__(self, state: MountState, tree: MountTree) -> None:
         path = state.doc.get("meta_image")
@@ -398,20 +402,36 @@ class MetaWriter:
         self.state, self.tree = state, tree
         self.started = False
 
+    def derived_indexes(self) -> list[tuple[Path, LayerIndex, str, str]]:
+        """(index file, index, layer digest, parse key) of each layer whose index file is
+        missing while its stored metadata is there."""
+        specs = [spec for run in self.state.runs for spec in run]
+        return [(Path(spec.index_path), index, spec.digest, spec.parse_key)
+                for spec, index in zip(specs, self.tree.layers, strict=True)
+                if spec.digest and spec.parse_key and spec.index_path and not os.path.exists(spec.index_path)
+                and os.path.exists(Path(spec.index_path).with_name(METADATA_FILE))]
+
     def start(self) -> int | None:
         """Fork the writer unless it was started before; its pid (None: nothing to write)."""
-        if self.path is None or self.started:
+        if self.started:
             return None
         self.started = True
         from snapshotter.fusefs.metamount import fork_writer
 
+        derived = self.derived_indexes()
+
+        def write_indexes() -> None:  # in the child: no logging (another thread may hold its lock)
+            for index_file, index, digest, key in derived:
+                with suppress(OSError, SnapshotterError):
+                    write_derived_index(index_file, index, digest, key)
+
         try:
-            pid = fork_writer(self.tree, self.state, self.path)
+            pid = fork_writer(self.tree, self.state, self.path, write_indexes if derived else None)
         except OSError as exc:
             log.warning("event=meta_failed image=%s error=%s", self.path, exc)
             return None
         if pid is not None:
-            log.info("event=meta_writing image=%s pid=%d", self.path, pid)
+            log.info("event=meta_writing image=%s indexes=%d pid=%d", self.path or "-", len(derived), pid)
         return pid
 
     async def when_quiet(self, gate: ForegroundGate, quiet: float = META_QUIET) -> None:

@@ -22,10 +22,11 @@ spare starts its prefetch (`start_early`: its prefetch list and the start-up fil
 the mount it is assigned waits for the early prefetches of its layers before its own.
 A preload that fails (damaged file, bad metadata) is logged and dropped: the daemon's own parse
 decides what the layer is. Kept at most PRELOAD_TTL seconds and MAX_PRELOADS indexes.
-A preload with "index_out" and "id" asks for the index too: once parsed, it is written there
-with its cache keys beside it (remote/store.py `write_index_files`) and `reply` is called with {"id", "ok": true,
-"toc_digest"}, so the daemon persists it instead of parsing the bytes again; a preload skipped,
-failed or not written is answered {"id", "ok": false, "why"} (remote/spare_replies.py).
+A preload with an "id" asks for an answer: once parsed, `reply` is called with {"id", "ok": true,
+"toc_digest"}, so the daemon persists the bytes (remote/store.py `save_metadata`) instead of
+parsing them again; a preload skipped or failed is answered {"id", "ok": false, "why"}
+(remote/spare_replies.py). The answer goes first, before the early prefetch starts and before
+anything else: containerd's Prepare waits for it.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, BinaryIO
 
 from snapshotter.errors import ConfigError, SnapshotterError
@@ -47,7 +47,6 @@ from snapshotter.formats.index import LayerIndex
 from snapshotter.formats.metadata_parse import MetadataParse, parse_metadata
 from snapshotter.fusefs.tree import MountTree, build_tree
 from snapshotter.gcpause import gc_paused
-from snapshotter.remote.store import discard_index_files, write_index_files
 
 log = logging.getLogger(__name__)
 
@@ -227,11 +226,10 @@ def _preload(doc: dict[str, Any], line: bytes, preloads: _Preloads, *, skip: boo
              parse: Callable[[MetadataParse, bytes], LayerIndex], reply: Reply,
              start_early: StartEarly | None = None) -> None:
     answer_id = doc.get("id")
-    index_out = doc.get("index_out")
-    wants_index = type(answer_id) is int and isinstance(index_out, str)
+    wants_answer = type(answer_id) is int
 
     def decline(why: str) -> None:
-        if wants_index:
+        if wants_answer:
             reply({"id": answer_id, "ok": False, "why": why})
 
     try:
@@ -257,17 +255,8 @@ def _preload(doc: dict[str, Any], line: bytes, preloads: _Preloads, *, skip: boo
         decline(f"parse failed: {exc}")
         return
     del data
-    if wants_index:
-        assert isinstance(index_out, str)
-        try:
-            with gc_paused():
-                write_index_files(Path(index_out), index, p.layer_digest)
-        except OSError as exc:
-            discard_index_files(Path(index_out))
-            log.warning("event=preload_index_unwritten layer=%s path=%s error=%s", p.layer_digest, index_out, exc)
-            decline(f"index not written: {exc}")
-        else:
-            reply({"id": answer_id, "ok": True, "toc_digest": index.toc_digest})
+    if wants_answer:
+        reply({"id": answer_id, "ok": True, "toc_digest": index.toc_digest})
     if start_early is not None and doc.get("early") is not None:
         # After the answer: the daemon's Prepare waits for that, and the two would share the GIL.
         try:
@@ -277,8 +266,8 @@ def _preload(doc: dict[str, Any], line: bytes, preloads: _Preloads, *, skip: boo
         else:
             if started is not None:
                 preloads.early = [*preloads.early[-(MAX_PRELOADS - 1):], started]
-    log.info("event=preloaded layer=%s entries=%d seconds=%.3f index_out=%s", p.layer_digest, len(index.entries),
-             preloads.clock() - began, "yes" if wants_index else "no")
+    log.info("event=preloaded layer=%s entries=%d seconds=%.3f answered=%s", p.layer_digest, len(index.entries),
+             preloads.clock() - began, "yes" if wants_answer else "no")
     with gc_paused():  # the tree is object building without cycles, as in the mount (process.py)
         preloads.add(p.layer_digest, key, index, layers)
     # What was parsed lives until the mount (or PRELOAD_TTL): later collections need not scan it.

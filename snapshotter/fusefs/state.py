@@ -47,8 +47,8 @@ from typing import Any
 
 from snapshotter.errors import ConfigError, FormatError
 from snapshotter.formats.index import LayerIndex
-from snapshotter.formats.index_codec import load_index
 from snapshotter.fusefs.tree import DEFAULT_OPAQUE_XATTRS, MountTree, build_tree
+from snapshotter.remote.store import load_layer_index
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,8 @@ def _is_prebuilt(state: MountState, keys: tuple[str, ...]) -> bool:
 
 def load_tree(state: MountState, preloaded: Mapping[str, LayerIndex] | None = None,
               prebuilt: tuple[tuple[str, ...], MountTree] | None = None) -> MountTree:
-    """Load every run's persisted indexes and merge them. FormatError / OSError name the file.
+    """Load every run's persisted indexes (remote/store.py `load_layer_index`: the index file, or
+    the layer's stored metadata parsed) and merge them. FormatError / OSError name the file.
     preloaded: indexes already parsed, by parse key (fusefs/spare.py); a layer whose parse_key is
     among them uses that index instead of loading its file. prebuilt: (parse keys, tree) of a tree
     built ahead from one run of those layers with build_tree's defaults and run 0 bare; returned
@@ -185,7 +186,7 @@ def load_tree(state: MountState, preloaded: Mapping[str, LayerIndex] | None = No
             try:
                 # No name for the file's bytes: they go as soon as the index is made, not after
                 # the tree (of which they would be a sixth).
-                indexes.append(load_index(Path(spec.index_path).read_bytes()))
+                indexes.append(load_layer_index(Path(spec.index_path)))
             except FormatError as exc:
                 raise FormatError(f"layer index {spec.index_path} ({spec.digest or 'no digest'}): {exc}") from None
         runs.append(indexes)

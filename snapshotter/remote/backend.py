@@ -88,7 +88,7 @@ class Mounter(Protocol):
     def direct_dir(self, mount_id: str) -> str | None: ...
     def prune_metadata_images(self) -> list[str]: ...
     def preload(self, parse: MetadataParse, data: bytes, key: str, image_layers: tuple[str, ...] = (), *,
-                want_index: bool = False, early: Mapping[str, Any] | None = None) -> SpareWait | None: ...
+                want_answer: bool = False, early: Mapping[str, Any] | None = None) -> SpareWait | None: ...
 
 
 def early_object(config: Config, image_ref: str, parse: MetadataParse, *, plain_http_hosts: Collection[str],
@@ -186,14 +186,14 @@ class RemoteBackend:
         bootstrap_cap = self.config.limits.max_bootstrap_bytes if max_bootstrap_bytes is None else max_bootstrap_bytes
 
         def preload(parse: MetadataParse, data: bytes, key: str, image_layers: tuple[str, ...]) -> SpareWait | None:
-            # The spare parses these bytes anyway; its index, when it gives one, spares the daemon
-            # the parse's memory peak (remote/spare_replies.py).
+            # The spare parses these bytes anyway; when it says they parse, the daemon stores them
+            # instead of parsing too (remote/spare_replies.py).
             early = None
             if self.config.mount_on_pull:  # the pulled image's mount prefetches on pull anyway: start it now
                 early = early_object(self.config, ref.image_ref, parse,
                                      plain_http_hosts=self.resolve_loop.plain_http_hosts(),
                                      auth=self.resolve_loop.auth_handoff({ref.image_ref}))
-            return self.mounter.preload(parse, data, key, image_layers if whole_image else (), want_index=True,
+            return self.mounter.preload(parse, data, key, image_layers if whole_image else (), want_answer=True,
                                         early=early)
 
         async def job(client: RegistryClient) -> tuple[ResolvedLayer, int]:
@@ -210,8 +210,8 @@ class RemoteBackend:
         resolved, fetched = self.resolve_loop.run(job)  # parsing ran in the loop; saving runs here
         meta = LayerMeta(ref.layer_digest, resolved.format, resolved.blob_size, ref.image_ref,
                          resolved.parsed.toc_digest, resolved.parse_key)
-        if resolved.parsed.index_file is not None:
-            self.layers.adopt(meta, resolved.parsed.index_file)
+        if resolved.parsed.metadata is not None:  # parsed by the spare: the bytes are what is stored
+            self.layers.save_metadata(meta, *resolved.parsed.metadata)
         else:
             self.layers.save(meta, resolved.index)
         return resolved.format, fetched, resolved.metadata_bytes

@@ -42,9 +42,9 @@ handed the same bytes (a file under ROOT/mounts/preload and a line {"preload": M
 parse key, and the spare, once handed a mount, uses the indexes it parsed instead of loading the
 persisted ones. The daemon's Prepare and the mount's readiness no longer run one after the other
 (fusefs/spare.py). Only an optimization: a preload that cannot be handed over is dropped.
-A preload may also ask the spare for the index it parses ("index_out", `want_index`): the spare
-writes it there and answers on its reply pipe (remote/spare_replies.py), and the daemon persists
-that file instead of parsing the bytes itself; without an answer the daemon parses, as before.
+A preload may also ask for an answer ("id", `want_answer`): the spare says on its reply pipe
+whether the bytes parsed (remote/spare_replies.py), and the daemon then stores the bytes instead
+of parsing them itself; without an answer the daemon parses, as before.
 
 A mount process runs in its own session (not in the daemon's process group), so a daemon
 restart or SIGKILL leaves it serving; the next daemon adopts it when its pid is alive, is a
@@ -378,13 +378,13 @@ class MountManager:
                     spare.stdin.close()
 
     def preload(self, parse: MetadataParse, data: bytes, key: str, image_layers: tuple[str, ...] = (), *,
-                want_index: bool = False, early: Mapping[str, Any] | None = None) -> SpareWait | None:
+                want_answer: bool = False, early: Mapping[str, Any] | None = None) -> SpareWait | None:
         """Hand the waiting spare a layer's metadata to parse while the daemon parses it too (see
         the module docstring); key: `parse.key(data)`; image_layers: for an image's lowest layer, the image's layers
         (the spare builds the image's tree once it has them all), else empty. Never blocks, never raises: without a
         spare, or on any failure, the preload is dropped and the mount loads the persisted index.
-        want_index: ask the spare to write the index it parses to a file and say so; returned is then
-        the wait for that answer (None: not asked, because there is nothing to parse or no spare took it).
+        want_answer: ask the spare to say whether the bytes parsed; returned is then the wait for that
+        answer (None: not asked, because there is nothing to parse or no spare took it).
         early: the layer's "early" object (remote/backend.py `early_object`), sent along with
         `mount_on_pull` and when its auth hand-off fits in MAX_AUTH_HANDOFF bytes."""
         if not self.config.preload_metadata:
@@ -398,11 +398,10 @@ class MountManager:
         if early is not None and self.config.mount_on_pull and \
                 len(json.dumps(early.get("auth") or {})) <= MAX_AUTH_HANDOFF:
             doc["early"] = early
-        index_out: Path | None = None
-        if want_index and replies is not None and not replies.closed and parse.kind != NYDUS_BLOB:
+        answer_id: int | None = None
+        if want_answer and replies is not None and not replies.closed and parse.kind != NYDUS_BLOB:
             answer_id = replies.new_id()
-            index_out = self.preload_dir / f"{key}.{answer_id}.index"
-            doc.update(index_out=str(index_out), id=answer_id)
+            doc["id"] = answer_id
         try:
             self.preload_dir.mkdir(exist_ok=True)
             tmp = path.with_suffix(".tmp")
@@ -414,9 +413,9 @@ class MountManager:
             log.debug("event=preload_dropped layer=%s error=%s", parse.layer_digest, exc)
             return None
         log.debug("event=preload layer=%s bytes=%d spare=%d", parse.layer_digest, len(data), spare.pid)
-        if index_out is None or replies is None:
+        if answer_id is None or replies is None:
             return None
-        return functools.partial(replies.wait, answer_id, index_out)
+        return functools.partial(replies.wait, answer_id)
 
     def _take_spare(self) -> subprocess.Popen[bytes] | None:
         with self._spare_lock:

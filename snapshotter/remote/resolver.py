@@ -18,7 +18,6 @@ import functools
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TypeVar
 
 import trio
@@ -38,7 +37,6 @@ from snapshotter.formats.metadata_parse import (
 )
 from snapshotter.remote.labels import LayerRef
 from snapshotter.remote.spare_replies import SpareWait
-from snapshotter.remote.store import discard_index_files
 
 TAIL_BYTES = 64 * 1024
 # A bootstrap layer up to this size is fetched in one round trip (no HEAD first). About 60 bytes
@@ -63,11 +61,12 @@ class NotLazy(SnapshotterError):
 @dataclass(frozen=True)
 class ParsedMetadata:
     """A layer's parsed metadata: its index here (`index`), or, parsed by the spare mount process,
-    in `index_file` (index_codec form; the caller owns the file). toc_digest: the index's."""
+    only the bytes and how they parse (`metadata`: what remote/store.py `save_metadata` stores).
+    toc_digest: the index's."""
 
     index: LayerIndex | None
     toc_digest: str | None
-    index_file: Path | None = None
+    metadata: tuple[MetadataParse, bytes] | None = None
 
     @classmethod
     def of(cls, index: LayerIndex) -> ParsedMetadata:
@@ -90,10 +89,9 @@ class ResolvedLayer:
     @property
     def index(self) -> LayerIndex:
         """The index, when this process parsed it (always, without an `on_metadata` that hands
-        the parse to the spare); else a ValueError: it is in `parsed.index_file`."""
+        the parse to the spare); else a ValueError: the spare parsed `parsed.metadata`."""
         if self.parsed.index is None:
-            raise ValueError(f"layer {self.ref.layer_digest}: its index was parsed by the spare, "
-                             f"into {self.parsed.index_file}")
+            raise ValueError(f"layer {self.ref.layer_digest}: its metadata was parsed by the spare, not here")
         return self.parsed.index
 
 
@@ -139,12 +137,8 @@ async def _parse(ref: LayerRef, p: MetadataParse, data: bytes, on_metadata: OnMe
         by_spare = await trio.to_thread.run_sync(spare_wait, max(0.0, min(SPARE_PARSE_WAIT, left / 2)),
                                                  abandon_on_cancel=True)
         if by_spare is not None:
-            try:
-                _check_toc_digest(ref, by_spare.toc_digest)
-            except DigestMismatch:
-                discard_index_files(by_spare.index_file)
-                raise
-            return ParsedMetadata(None, by_spare.toc_digest, by_spare.index_file), key
+            _check_toc_digest(ref, by_spare.toc_digest)
+            return ParsedMetadata(None, by_spare.toc_digest, (p, data)), key
     index = await _off_loop(parse_metadata, p, data, expected_toc_digest=expected_toc_digest)
     _check_toc_digest(ref, index.toc_digest)
     return ParsedMetadata.of(index), key

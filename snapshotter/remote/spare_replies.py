@@ -1,17 +1,18 @@
-"""The spare mount process's answers to the preloads that asked it for the layer's index.
+"""The spare mount process's answers to the preloads that asked for one.
 
-A preload line with "index_out" (remote/mounts.py `preload`) asks the spare to write the index it
-parses to that path (index_codec, synced, renamed into place) and to answer on a pipe the daemon
-gave it (`--reply-fd`), one JSON line per such preload:
+A preload line with an "id" (remote/mounts.py `preload`) asks the spare to say whether the
+layer's metadata parsed, on a pipe the daemon gave it (`--reply-fd`), one JSON line per such
+preload, as soon as the parse ends:
 
-    {"id": N, "ok": true, "toc_digest": DIGEST_OR_NULL}   the index is at the preload's index_out
+    {"id": N, "ok": true, "toc_digest": DIGEST_OR_NULL}   parsed
     {"id": N, "ok": false, "why": TEXT}                   not parsed (skipped, failed): parse it yourself
 
-The daemon then persists that file instead of parsing the same bytes itself: the parse's memory
-peak (some 12 MiB for an 11,000-entry TOC) lands in the spare, which pays it anyway, and not in
-the daemon too. A spare that answers "not ok", closes the pipe (it was handed a mount, or died) or
-does not answer in time leaves the parse to the daemon, as before; so does every failed parse,
-whose error the daemon's own parse reports.
+The daemon then stores the metadata bytes (remote/store.py `save_metadata`) instead of parsing
+them itself: the parse's memory peak (some 12 MiB for an 11,000-entry TOC) lands in the spare,
+which pays it anyway, and not in the daemon too, and containerd's Prepare waits for neither the
+daemon's parse nor the writing of an index. A spare that answers "not ok", closes the pipe (it
+was handed a mount, or died) or does not answer in time leaves the parse to the daemon, as
+before; so does every failed parse, whose error the daemon's own parse reports.
 """
 
 from __future__ import annotations
@@ -23,10 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import BinaryIO
-
-from snapshotter.remote.store import discard_index_files
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +33,12 @@ MAX_UNCLAIMED = 256  # answers nobody waits for (a wait that gave up) are droppe
 
 @dataclass(frozen=True)
 class SpareParsed:
-    """The spare parsed the layer: its index is in `index_file`, its cache keys beside it (the
-    daemon now owns both: `LayerStore.adopt` or `discard_index_files`)."""
+    """The spare parsed the layer's metadata; toc_digest: its index's."""
 
-    index_file: Path
     toc_digest: str | None
 
 
-# The wait for one preload's answer: (timeout seconds) -> the parsed index, or None (parse it yourself).
+# The wait for one preload's answer: (timeout seconds) -> the spare's parse, or None (parse it yourself).
 SpareWait = Callable[[float], SpareParsed | None]
 
 
@@ -53,7 +49,7 @@ class SpareReplies:
     def __init__(self, fd: int, pid: int) -> None:
         self._cond = threading.Condition()
         self._answers: dict[int, dict[str, object]] = {}
-        self._abandoned: dict[int, Path] = {}  # waits that gave up: id -> the index file its answer may write
+        self._abandoned: set[int] = set()  # waits that gave up: their answers are nobody's
         self._closed = False
         self._next_id = 0
         self.pid = pid
@@ -83,15 +79,14 @@ class SpareReplies:
                     log.warning("event=spare_reply_bad pid=%d line=%r error=%s", self.pid, line[:200], exc)
                     continue
                 with self._cond:
-                    late = self._abandoned.pop(answer_id, None)
-                    if late is None:
-                        if len(self._answers) >= MAX_UNCLAIMED:
-                            self._answers.pop(min(self._answers))
-                        self._answers[answer_id] = doc
-                        self._cond.notify_all()
-                if late is not None:  # the wait gave up: what the spare wrote since is nobody's
-                    discard_index_files(late)
-                    log.info("event=spare_reply_late pid=%d id=%d", self.pid, answer_id)
+                    if answer_id in self._abandoned:
+                        self._abandoned.discard(answer_id)
+                        log.info("event=spare_reply_late pid=%d id=%d", self.pid, answer_id)
+                        continue
+                    if len(self._answers) >= MAX_UNCLAIMED:
+                        self._answers.pop(min(self._answers))
+                    self._answers[answer_id] = doc
+                    self._cond.notify_all()
         except OSError as exc:
             log.warning("event=spare_reply_failed pid=%d error=%s", self.pid, exc)
         finally:
@@ -100,10 +95,9 @@ class SpareReplies:
                 self._closed = True
                 self._cond.notify_all()
 
-    def wait(self, answer_id: int, index_file: Path, timeout: float) -> SpareParsed | None:
-        """The spare's result for preload `answer_id`, whose index it was to write to
-        `index_file`; None when it did not parse it (said so, closed the pipe, or `timeout`
-        seconds passed), and then nothing of it is left at `index_file`."""
+    def wait(self, answer_id: int, timeout: float) -> SpareParsed | None:
+        """The spare's answer to preload `answer_id`; None when it did not parse it (said so,
+        closed the pipe, or `timeout` seconds passed)."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while answer_id not in self._answers and not self._closed:
@@ -114,13 +108,11 @@ class SpareReplies:
             doc = self._answers.pop(answer_id, None)
             if doc is None and not self._closed:
                 if len(self._abandoned) >= MAX_UNCLAIMED:
-                    self._abandoned.pop(min(self._abandoned))
-                self._abandoned[answer_id] = index_file
-        if doc is not None and doc.get("ok") is True and index_file.exists():
+                    self._abandoned.discard(min(self._abandoned))
+                self._abandoned.add(answer_id)
+        if doc is not None and doc.get("ok") is True:
             digest = doc.get("toc_digest")
-            return SpareParsed(index_file, digest if isinstance(digest, str) else None)
+            return SpareParsed(digest if isinstance(digest, str) else None)
         why = "no answer" if doc is None else str(doc.get("why", "not ok"))
         log.info("event=spare_parse_declined pid=%d why=%r", self.pid, why[:200])
-        # What the spare wrote so far; a late answer's files are removed when it comes (_read).
-        discard_index_files(index_file)
         return None

@@ -3,6 +3,9 @@ registry round trip to know a layer's tree.
 
     ROOT/layers/<sha256 hex of the layer digest>/index.bin    the LayerIndex (index_codec; a root
                                                               written by 0.1 holds index.json)
+    ROOT/layers/<...>/metadata.bin, parse.json                or, instead, the layer's metadata bytes
+                                                              (the TOC member, the bootstrap layer) and
+                                                              how they parse (`MetadataParse.to_doc`)
     ROOT/layers/<...>/cache-keys                              the cache keys of its chunks (one per line)
     ROOT/layers/<...>/meta.json                               format, blob size, where it came from
     ROOT/layers/<...>/fallback.json                           why the last lazy attempt fell back
@@ -12,6 +15,13 @@ meta.json is incomplete and is ignored (and rewritten by the next resolve). cach
 the daemon's garbage collection keeps of a live layer (`layer_cache_keys`); without it (a root
 written before it existed, a digest the cache cannot address) the collection loads the index,
 whose memory peak (some 10 MiB for 11,000 entries) the keys file spares the daemon.
+
+A layer the spare mount process parsed is stored as its metadata bytes (`save_metadata`): what
+containerd's Prepare waits for is then a write of those bytes, not the index's encoding (some
+35 ms for 11,000 entries). The index is derived from them where it is needed
+(`load_layer_index`: parse the bytes, deterministically, as the spare did), and the mount process
+holding the parsed index writes index.bin and cache-keys beside them once it is quiet
+(`write_derived_index`), so later loads and collections read those.
 """
 
 from __future__ import annotations
@@ -27,11 +37,14 @@ from pathlib import Path
 from snapshotter.errors import FormatError
 from snapshotter.formats.index import LayerIndex
 from snapshotter.formats.index_codec import dump_index, load_index
+from snapshotter.formats.metadata_parse import MetadataParse, parse_metadata
 from snapshotter.reader.keys import cache_keys
 
 INDEX_FILE = "index.bin"
 LEGACY_INDEX_FILE = "index.json"
 KEYS_FILE = "cache-keys"
+METADATA_FILE = "metadata.bin"
+PARSE_FILE = "parse.json"
 
 
 def blob_digests(index: LayerIndex, layer_digest: str) -> list[str]:
@@ -64,27 +77,43 @@ def load_keys(data: bytes) -> set[str]:
         raise FormatError(f"cache keys file: not ASCII ({exc})") from None
 
 
-def keys_file_beside(index_file: Path) -> Path:
-    """Where the cache keys of an index written outside the store go (`write_index_files`)."""
-    return index_file.with_name(index_file.name + ".keys")
-
-
-def write_index_files(index_file: Path, index: LayerIndex, layer_digest: str) -> None:
-    """`index` (index_codec) at `index_file` and its cache keys beside it (`keys_file_beside`;
-    none when they cannot be listed), each synced and renamed into place, for `LayerStore.adopt`."""
+def load_layer_index(index_file: Path) -> LayerIndex:
+    """The index stored at `index_file` (index_codec), else derived from the metadata bytes
+    stored beside it (`LayerStore.save_metadata`: parsed as parse.json says). FileNotFoundError
+    (naming `index_file`) when neither is there; FormatError for what does not load or parse."""
     try:
-        keys = dump_keys(layer_cache_keys(index, layer_digest))
+        return load_index(index_file.read_bytes())
+    except FileNotFoundError:
+        metadata, parse_doc = index_file.with_name(METADATA_FILE), index_file.with_name(PARSE_FILE)
+        try:
+            parse, data = MetadataParse.from_doc(json.loads(parse_doc.read_bytes())), metadata.read_bytes()
+        except FileNotFoundError:
+            raise FileNotFoundError(errno.ENOENT, "no layer index, nor metadata to derive it from",
+                                    str(index_file)) from None
+        except ValueError as exc:  # not JSON
+            raise FormatError(f"{parse_doc}: not a parse description: {exc}") from None
+        return parse_metadata(parse, data)
+
+
+def write_derived_index(index_file: Path, index: LayerIndex, layer_digest: str, parse_key: str) -> bool:
+    """Write `index` (parsed under `parse_key`) at `index_file` with its cache keys, when that
+    layer directory holds the layer's metadata bytes but no index yet, and still the metadata
+    that parse came from (meta.json's parse_key): a later resolve of the layer may have replaced
+    it meanwhile. The keys go first, so an index file never lacks them. True when written."""
+    d = index_file.parent
+    try:
+        meta = json.loads((d / "meta.json").read_bytes())
+    except (OSError, ValueError):
+        return False
+    if index_file.exists() or not (d / METADATA_FILE).exists() or \
+            not isinstance(meta, dict) or meta.get("parse_key") != parse_key:
+        return False
+    try:
+        _write_atomic(d / KEYS_FILE, dump_keys(layer_cache_keys(index, layer_digest)))
     except FormatError:
-        keys_file_beside(index_file).unlink(missing_ok=True)
-    else:
-        _write_atomic(keys_file_beside(index_file), keys)
+        pass  # the collection finds no keys and loads the index, which says what is wrong
     _write_atomic(index_file, dump_index(index))
-
-
-def discard_index_files(index_file: Path) -> None:
-    """Remove an index written by `write_index_files` that will not be adopted."""
-    index_file.unlink(missing_ok=True)
-    keys_file_beside(index_file).unlink(missing_ok=True)
+    return True
 
 
 @dataclass(frozen=True)
@@ -98,17 +127,6 @@ class LayerMeta:
     # process handed an index parsed ahead under this key uses it instead of loading the file.
     # None for indexes written before it existed, or that needed no parse.
     parse_key: str | None = None
-
-
-def _move(src: Path, dst: Path) -> None:
-    """Rename `src` to `dst`; across file systems, copy it (synced) and remove `src`."""
-    try:
-        os.replace(src, dst)
-    except OSError as exc:
-        if exc.errno != errno.EXDEV:
-            raise
-        _write_atomic(dst, src.read_bytes())
-        src.unlink(missing_ok=True)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -145,7 +163,8 @@ class LayerStore:
     def save(self, meta: LayerMeta, index: LayerIndex) -> Path:
         d = self.layer_dir(meta.layer_digest)
         d.mkdir(parents=True, exist_ok=True)
-        (d / KEYS_FILE).unlink(missing_ok=True)  # an earlier index's keys never outlive it
+        for stale in (KEYS_FILE, METADATA_FILE, PARSE_FILE):  # an earlier resolve's never outlive it
+            (d / stale).unlink(missing_ok=True)
         _write_atomic(d / INDEX_FILE, dump_index(index))
         try:
             _write_atomic(d / KEYS_FILE, dump_keys(layer_cache_keys(index, meta.layer_digest)))
@@ -153,17 +172,16 @@ class LayerStore:
             pass  # the collection finds no keys and loads the index, which says what is wrong
         return self._finish(d, meta)
 
-    def adopt(self, meta: LayerMeta, index_file: Path) -> Path:
-        """As `save`, with the index already written (by `write_index_files`, e.g. in the spare
-        mount process) at `index_file`: it and its keys are moved into place (copied, then
-        removed, across file systems)."""
+    def save_metadata(self, meta: LayerMeta, parse: MetadataParse, data: bytes) -> Path:
+        """As `save`, storing the layer's metadata bytes and how they parse instead of the index
+        (`load_layer_index` derives it; the module docstring says who writes it later). The
+        caller knows that they parse: the spare mount process did, as `parse` says."""
         d = self.layer_dir(meta.layer_digest)
         d.mkdir(parents=True, exist_ok=True)
-        (d / KEYS_FILE).unlink(missing_ok=True)
-        _move(index_file, d / INDEX_FILE)
-        keys = keys_file_beside(index_file)
-        if keys.exists():
-            _move(keys, d / KEYS_FILE)
+        for stale in (INDEX_FILE, KEYS_FILE, LEGACY_INDEX_FILE):
+            (d / stale).unlink(missing_ok=True)
+        _write_atomic(d / METADATA_FILE, data)
+        _write_atomic(d / PARSE_FILE, json.dumps(parse.to_doc(), sort_keys=True).encode())
         return self._finish(d, meta)
 
     def _finish(self, d: Path, meta: LayerMeta) -> Path:
@@ -186,7 +204,8 @@ class LayerStore:
         return LayerMeta(**raw)
 
     def load(self, layer_digest: str) -> LayerIndex:
-        return load_index(self.index_path(layer_digest).read_bytes())
+        """The layer's index (`load_layer_index`)."""
+        return load_layer_index(self.index_path(layer_digest))
 
     # -- fallbacks (for `snapshotter status`) --------------------------------------------------
 
@@ -219,7 +238,8 @@ class LayerStore:
             if not d.is_dir() or d.name in keep or len(d.name) != 64:
                 continue
             if (d / "fallback.json").exists():
-                for name in ("meta.json", INDEX_FILE, LEGACY_INDEX_FILE, KEYS_FILE):  # meta first: else ignored
+                # meta.json first: without it the rest is ignored
+                for name in ("meta.json", INDEX_FILE, LEGACY_INDEX_FILE, KEYS_FILE, METADATA_FILE, PARSE_FILE):
                     (d / name).unlink(missing_ok=True)
             else:
                 shutil.rmtree(d, ignore_errors=True)

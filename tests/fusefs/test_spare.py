@@ -21,13 +21,12 @@ from snapshotter.errors import ConfigError, FormatError
 from snapshotter.formats import estargz
 from snapshotter.formats.estargz import write_estargz
 from snapshotter.formats.index import LayerIndex
-from snapshotter.formats.index_codec import dump_index, load_index
+from snapshotter.formats.index_codec import dump_index
 from snapshotter.formats.metadata_parse import ESTARGZ, MetadataParse, parse_metadata
 from snapshotter.fusefs import spare as spare_module
 from snapshotter.fusefs.spare import wait_for_assignment
 from snapshotter.fusefs.state import load_tree, parse_state
 from snapshotter.fusefs.tree import build_tree
-from snapshotter.remote.store import layer_cache_keys, load_keys
 
 L0, L1 = "sha256:" + "0" * 64, "sha256:" + "1" * 64
 
@@ -240,42 +239,50 @@ def test_the_tree_waits_for_every_layer_the_lowest_layer_lists(tmp_path: Path) -
     assert sorted(found.preloaded) == sorted([p0.key(d0), p1.key(d1)])
 
 
-def _asking(line: bytes, answer_id: int, index_out: Path) -> bytes:
-    """`line` (a preload) asking for its index at `index_out`, answered under `answer_id`."""
+def _asking(line: bytes, answer_id: int) -> bytes:
+    """`line` (a preload) asking for an answer, under `answer_id`."""
     doc = json.loads(line)
-    doc.update(id=answer_id, index_out=str(index_out))
+    doc.update(id=answer_id)
     return json.dumps(doc).encode() + b"\n"
 
 
-def test_a_preload_that_asks_for_its_index_gets_it_written_and_answered(tmp_path: Path) -> None:
-    """The daemon persists the spare's index instead of parsing (remote/spare_replies.py): the
-    file loads as the same index the daemon's parse gives, and every asking preload is answered,
-    "not ok" when nothing was written (damaged bytes, an unwritable path)."""
+def test_a_preload_that_asks_is_answered_once_parsed_before_its_early_prefetch(tmp_path: Path) -> None:
+    """The daemon stores the bytes the spare says parse instead of parsing them
+    (remote/spare_replies.py): every asking preload is answered, with the TOC digest the
+    daemon's parse gives, or "not ok" when the bytes do not parse; the answer comes before the
+    layer's early prefetch starts (containerd's Prepare waits for it, the prefetch does not)."""
     (tmp_path / "in").mkdir()
     p0, d0, _ = _member(BASE)
     p1, d1, _ = _member(TOP)
-    out0, out1, out_bad = tmp_path / "l0.index", tmp_path / "l1.index", tmp_path / "no-dir" / "x.index"
-    lines = [_asking(_preload_line(tmp_path / "in", p0, d0, (L0, L1)), 1, out0),
-             _preload_line(tmp_path / "in", p1, d1, ()),  # not asking: no answer, no file
-             _asking(_preload_line(tmp_path / "in", p1, b"\x1f\x8bnot a toc", ()), 2, tmp_path / "damaged.index"),
-             _asking(_preload_line(tmp_path / "in", p1, d1, ()), 3, out_bad),
-             _asking(_preload_line(tmp_path / "in", p1, d1, ()), 4, out1),
+    lines = [_asking(_preload_line(tmp_path / "in", p0, d0, (L0, L1)), 1),
+             _preload_line(tmp_path / "in", p1, d1, ()),  # not asking: no answer
+             _asking(_preload_line(tmp_path / "in", p1, b"\x1f\x8bnot a toc", ()), 2),
+             _asking(_preload_line(tmp_path / "in", p1, d1, ()), 4),
              b'{"state": "/s"}\n']
-    answers: list[dict[str, object]] = []
+    events: list[object] = []
     parsed: list[str] = []
+
+    def start_early(index: LayerIndex, doc: object) -> None:
+        events.append(("early", index.toc_digest))
+
+    lines = [_with_early(line) for line in lines]
     found = wait_for_assignment(_Feed(lines, parsed, 4), parse=_counting(parsed),  # type: ignore[arg-type]
-                                reply=answers.append)
+                                reply=events.append, start_early=start_early)
     assert found is not None
-    assert [a["id"] for a in answers] == [1, 2, 3, 4]
-    assert answers[0] == {"id": 1, "ok": True, "toc_digest": parse_metadata(p0, d0).toc_digest}
-    assert answers[1]["ok"] is False and "parse failed" in str(answers[1]["why"])
-    assert answers[2]["ok"] is False and "not written" in str(answers[2]["why"])
-    assert answers[3]["ok"] is True
-    assert load_index(out0.read_bytes()) == parse_metadata(p0, d0)
-    assert load_index(out1.read_bytes()) == parse_metadata(p1, d1)
-    assert load_keys((tmp_path / "l0.index.keys").read_bytes()) == layer_cache_keys(parse_metadata(p0, d0), L0)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "l0.index", "l0.index.keys", "l1.index",
-                                                          "l1.index.keys"], "no temp or damaged file"
+    t0, t1 = parse_metadata(p0, d0).toc_digest, parse_metadata(p1, d1).toc_digest
+    assert events[0] == {"id": 1, "ok": True, "toc_digest": t0}
+    assert events[1] == ("early", t0)
+    assert events[2] == ("early", t1)  # not asking: nothing answered
+    assert isinstance(events[3], dict) and events[3]["id"] == 2 and events[3]["ok"] is False
+    assert "parse failed" in str(events[3]["why"])
+    assert events[4:] == [{"id": 4, "ok": True, "toc_digest": t1}, ("early", t1)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"], "the spare writes no file"
+
+
+def _with_early(line: bytes) -> bytes:
+    doc = json.loads(line)
+    doc["early"] = {}
+    return json.dumps(doc).encode() + b"\n"
 
 
 def test_preloads_skipped_behind_the_assignment_are_answered_not_ok(tmp_path: Path) -> None:
@@ -284,7 +291,7 @@ def test_preloads_skipped_behind_the_assignment_are_answered_not_ok(tmp_path: Pa
     answers: list[dict[str, object]] = []
 
     def parse(p: MetadataParse, data: bytes) -> LayerIndex:
-        os.write(w, _asking(_preload_line(tmp_path, p0, d0, ()), 7, tmp_path / "late.index") + b'{"state": "/s"}\n')
+        os.write(w, _asking(_preload_line(tmp_path, p0, d0, ()), 7) + b'{"state": "/s"}\n')
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and any(t.name == "spare-stdin" for t in threading.enumerate()):
             time.sleep(0.01)
@@ -296,7 +303,6 @@ def test_preloads_skipped_behind_the_assignment_are_answered_not_ok(tmp_path: Pa
     os.close(w)
     assert found is not None
     assert answers == [{"id": 7, "ok": False, "why": "skipped: handed a mount"}]
-    assert not (tmp_path / "late.index").exists()
 
 
 def test_a_preload_with_an_early_object_starts_that_layers_early_prefetch(tmp_path: Path,

@@ -29,6 +29,7 @@ import pytest
 from integration import cri, images
 from integration.lab import Lab, mount_processes
 from snapshotter.formats.index_codec import load_index
+from snapshotter.formats.metadata_parse import MetadataParse, parse_metadata
 from snapshotter.remote.mounts import SPARE_LOG as SPARE_LOG_NAME
 
 RICH_BIG = 6 * 1024 * 1024 + 12345  # several 4 MiB eStargz chunks, and an odd tail
@@ -494,12 +495,19 @@ def test_the_spare_parses_a_new_images_layers_while_the_daemon_does(lab: Lab) ->
         mount_log = (mounts_dir / SPARE_LOG_NAME).read_text() + "".join(
             p.read_text() for p in mounts_dir.glob("*/log"))
         for digest in prepared:  # each layer handed to the spare as it was resolved, parsed there,
-            # and its index written for the daemon, which stored that file instead of parsing too
-            assert re.search(rf"event=preloaded layer={digest} .*index_out=yes", mount_log), mount_log[-2000:]
-            stored = lab.snapshotter_root / "layers" / digest.removeprefix("sha256:") / "index.bin"
-            assert load_index(stored.read_bytes()).entries, stored
+            # and answered: the daemon stored its metadata bytes instead of parsing too; once the
+            # mount is quiet, it writes the index it parsed beside them (remote/store.py)
+            assert re.search(rf"event=preloaded layer={digest} .*answered=yes", mount_log), mount_log[-2000:]
+            layer_dir = lab.snapshotter_root / "layers" / digest.removeprefix("sha256:")
+            stored = _wait_for(f"the mount to write the index of {digest}",
+                               lambda d=layer_dir: (d / "index.bin").exists() and d / "index.bin", timeout=30)
+            assert isinstance(stored, Path)
+            how = MetadataParse.from_doc(json.loads((layer_dir / "parse.json").read_bytes()))
+            derived = parse_metadata(how, (layer_dir / "metadata.bin").read_bytes())
+            assert load_index(stored.read_bytes()) == derived and derived.entries, stored
+            assert (layer_dir / "cache-keys").exists()
         assert "event=spare_parse_declined" not in daemon_log, daemon_log[-2000:]
-        assert not list((mounts_dir / "preload").glob("*.index")), "index files left in the preload dir"
+        assert not list((mounts_dir / "preload").iterdir()), "files left in the preload dir"
         assert "event=tree_built_ahead layers=2" in mount_log
         assert re.search(r"event=tree_built layers=2 .*prebuilt=true", mount_log), mount_log[-2000:]
     finally:

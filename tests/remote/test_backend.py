@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import json
 import logging
 import re
 import tarfile
@@ -28,7 +29,7 @@ from snapshotter.remote import resolver as resolver_module
 from snapshotter.remote.backend import RemoteBackend, RemoteLayer
 from snapshotter.remote.labels import REMOTE_LABEL, TARGET_SNAPSHOT_REF
 from snapshotter.remote.spare_replies import SpareParsed, SpareWait
-from snapshotter.remote.store import KEYS_FILE, layer_cache_keys, load_keys, write_index_files
+from snapshotter.remote.store import INDEX_FILE, METADATA_FILE, PARSE_FILE, layer_cache_keys
 from snapshotter.snapshots.model import Kind
 from snapshotter.snapshots.service import Snapshotter
 from tests.fetch.registry import RegistryProcess, free_port, push_image
@@ -62,7 +63,7 @@ class FakeMounter:
         self.plain_http: dict[str, set[str]] = {}
         self.meta: dict[str, str] = {}  # mount id -> its metadata image's mountpoint, once "built"
         self.direct: dict[str, str] = {}  # mount id -> its direct directory
-        self.spare_parses = False  # answer preloads that ask for the index, as the spare does
+        self.spare_parses = False  # answer preloads that ask for an answer, as the spare does
         self.pruned = 0  # calls of prune_metadata_images
         self.preloads: list[tuple[MetadataParse, bytes, tuple[str, ...]]] = []  # (parse, data, image layers)
         self.early: list[Mapping[str, Any] | None] = []  # each preload's "early" object
@@ -94,17 +95,15 @@ class FakeMounter:
         return []
 
     def preload(self, parse: MetadataParse, data: bytes, key: str, image_layers: tuple[str, ...] = (), *,
-                want_index: bool = False, early: Mapping[str, Any] | None = None) -> SpareWait | None:
+                want_answer: bool = False, early: Mapping[str, Any] | None = None) -> SpareWait | None:
         assert key == parse.key(data)
         self.preloads.append((parse, data, image_layers))
         self.early.append(early)
-        if not (want_index and self.spare_parses):
+        if not (want_answer and self.spare_parses):
             return None
-        # As the spare: parse, write the index file, answer (remote/spare_replies.py).
+        # As the spare: parse, answer (remote/spare_replies.py).
         index = parse_metadata(parse, data)
-        index_file = self.tmp / f"spare-{len(self.preloads)}.index"
-        write_index_files(index_file, index, parse.layer_digest)
-        return lambda _timeout: SpareParsed(index_file, index.toc_digest)
+        return lambda _timeout: SpareParsed(index.toc_digest)
 
 
 @pytest.fixture
@@ -221,10 +220,11 @@ def test_layers_above_the_one_prepared_are_resolved_ahead(registry: RegistryProc
         next(p.key(d) for p, d, _ in mounter.preloads if p.layer_digest == l1)
 
 
-def test_an_index_the_spare_parsed_is_stored_and_the_daemon_does_not_parse(
+def test_metadata_the_spare_parsed_is_stored_and_the_daemon_does_not_parse(
         backend: tuple[RemoteBackend, FakeMounter], registry: RegistryProcess, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the spare's parse handed back, the daemon stores that index file (moved, not parsed
-    again); a TOC digest label is checked against it, and a mismatch leaves no file behind."""
+    """With the spare's parse answered, the daemon stores the layer's metadata bytes, not an index
+    (it never parses them: the store derives the index when it is loaded); a TOC digest label is
+    checked against the spare's answer, and a mismatch stores nothing."""
     be, mounter = backend
     mounter.spare_parses = True
 
@@ -238,21 +238,19 @@ def test_an_index_the_spare_parsed_is_stored_and_the_daemon_does_not_parse(
     with pytest.raises(AlreadyExists):
         be.prepare("default/1/extract-1", "", _labels(image.ref, layer, "sha256:sp1", **{
             "containerd.io/snapshot/stargz/toc.digest": toc_digest}))
-    stored = be.layers.load(layer)
     p, data, _layers = mounter.preloads[0]
-    assert stored == parse_metadata(p, data)
+    d = be.layers.layer_dir(layer)
+    assert (d / METADATA_FILE).read_bytes() == data and not (d / INDEX_FILE).exists()
+    assert json.loads((d / PARSE_FILE).read_text()) == p.to_doc()
+    assert be.layers.load(layer) == parse_metadata(p, data)
     meta = be.layers.meta(layer)
     assert meta is not None and meta.toc_digest == toc_digest and meta.parse_key == p.key(data)
-    assert not list(mounter.tmp.glob("spare-*"))  # moved into the layer store, with its cache keys
-    keys_file = be.layers.layer_dir(layer) / KEYS_FILE
-    assert load_keys(keys_file.read_bytes()) == layer_cache_keys(stored, layer) != set()
-    # The same bytes under another layer's label with a wrong TOC digest: refused, file removed.
+    # The same bytes under another layer's label with a wrong TOC digest: refused, nothing stored.
     other = push_image(registry.url, "lazy/spareparsed2", "v1", [_estargz({"z": b"other"})[0]])
     (other_layer,) = other.layers
     be.prepare("default/2/extract-1", "", _labels(other.ref, other_layer, "sha256:sp2", **{
         "containerd.io/snapshot/stargz/toc.digest": "sha256:" + "0" * 64}))
     assert be.layers.meta(other_layer) is None
-    assert not list(mounter.tmp.glob("spare-*"))
 
 
 def _pull_first_of_two(be: RemoteBackend, registry: RegistryProcess, repo: str, tag: str) -> tuple[str, str, str]:
@@ -578,16 +576,16 @@ def test_cleanup_collects_chunks_and_indexes_no_snapshot_references(
     assert be.layers.meta(digest) is None
 
 
-def test_a_spare_that_gives_no_index_leaves_the_parse_to_the_daemon(
+def test_a_spare_that_gives_no_answer_leaves_the_parse_to_the_daemon(
         backend: tuple[RemoteBackend, FakeMounter], registry: RegistryProcess, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A wait that ends without an index (the spare declined, died, or is stuck) costs at most
-    half the resolve's time, and the daemon parses as before."""
+    """A wait that ends without an answer (the spare declined, died, or is stuck) costs at most
+    half the resolve's time, and the daemon parses as before, storing the index it made."""
     be, mounter = backend
     waits: list[float] = []
 
     def declining(parse: MetadataParse, data: bytes, key: str, image_layers: tuple[str, ...] = (), *,
-                  want_index: bool = False, early: Mapping[str, Any] | None = None) -> SpareWait | None:
-        assert want_index
+                  want_answer: bool = False, early: Mapping[str, Any] | None = None) -> SpareWait | None:
+        assert want_answer
         mounter.preloads.append((parse, data, image_layers))
         return lambda timeout: waits.append(timeout)  # type: ignore[func-returns-value]
 
@@ -599,6 +597,8 @@ def test_a_spare_that_gives_no_index_leaves_the_parse_to_the_daemon(
         be.prepare("default/1/extract-1", "", _labels(image.ref, layer, "sha256:sd1"))
     p, data, _layers = mounter.preloads[0]
     assert be.layers.load(layer) == parse_metadata(p, data)
+    assert (be.layers.layer_dir(layer) / INDEX_FILE).exists()
+    assert not (be.layers.layer_dir(layer) / METADATA_FILE).exists()
     meta = be.layers.meta(layer)
     assert meta is not None and meta.toc_digest == toc_digest
     (timeout,) = waits
@@ -649,7 +649,7 @@ def test_a_zstd_chunked_toc_digest_label_is_checked_whoever_parses(
         "containerd.io/snapshot/stargz/toc.digest": "sha256:" + "0" * 64}))
     (line,) = _fallback_lines(caplog)
     assert layer in line and "reason=toc_digest_mismatch" in line, line
-    assert be.layers.meta(layer) is None and not list(mounter.tmp.glob("spare-*"))
+    assert be.layers.meta(layer) is None
     # The right label: stored, from whichever parse.
     with pytest.raises(AlreadyExists):
         be.prepare("default/2/extract-1", "", _labels(image.ref, layer, "sha256:zc2", **{

@@ -19,7 +19,6 @@ from snapshotter.config import Config
 from snapshotter.formats.metadata_parse import ESTARGZ, NYDUS_BLOB, MetadataParse
 from snapshotter.remote.mounts import MountManager
 from snapshotter.remote.spare_replies import SpareParsed, SpareReplies
-from snapshotter.remote.store import keys_file_beside
 
 LAYER = "sha256:" + "ab" * 32
 PARSE = MetadataParse(ESTARGZ, LAYER, 1000, 1 << 20, toc_offset=10)
@@ -93,30 +92,26 @@ import json, os, sys
 reply_fd = int(sys.argv[1])
 for line in sys.stdin:
     doc = json.loads(line)
-    if "index_out" in doc:
-        with open(doc["index_out"], "wb") as f:
-            f.write(b"index of " + open(doc["data"], "rb").read())
-        os.write(reply_fd, json.dumps({"id": doc["id"], "ok": True, "toc_digest": "sha256:t"}).encode() + b"\n")
+    if "id" in doc:
+        digest = "sha256:" + open(doc["data"], "rb").read().decode()
+        os.write(reply_fd, json.dumps({"id": doc["id"], "ok": True, "toc_digest": digest}).encode() + b"\n")
 """
 
 
-def test_a_preload_that_wants_the_index_waits_for_the_spares_answer(manager: MountManager) -> None:
+def test_a_preload_that_wants_an_answer_waits_for_the_spares(manager: MountManager) -> None:
     r, w = os.pipe()
     spare = subprocess.Popen([sys.executable, "-c", SPARE_THAT_ANSWERS, str(w)], stdin=subprocess.PIPE,
                              pass_fds=(w,))
     os.close(w)
     manager._spare, manager._spare_replies = spare, SpareReplies(r, spare.pid)
     try:
-        wait = manager.preload(PARSE, b"toc bytes", PARSE.key(b"toc bytes"), want_index=True)
+        wait = manager.preload(PARSE, b"toc-bytes", PARSE.key(b"toc-bytes"), want_answer=True)
         assert wait is not None
-        parsed = wait(10.0)
-        assert parsed is not None and parsed.toc_digest == "sha256:t"
-        assert parsed.index_file.parent == manager.preload_dir
-        assert parsed.index_file.read_bytes() == b"index of toc bytes"
+        assert wait(10.0) == SpareParsed("sha256:toc-bytes")  # the answer to this preload, of its bytes
         # Not asked: no wait; nothing to parse (a Nydus blob layer): not asked.
         assert manager.preload(PARSE, b"other", PARSE.key(b"other")) is None
         blob = MetadataParse(NYDUS_BLOB, LAYER, 1000, 0)
-        assert manager.preload(blob, b"", blob.key(b""), want_index=True) is None
+        assert manager.preload(blob, b"", blob.key(b""), want_answer=True) is None
     finally:
         assert spare.stdin is not None
         spare.stdin.close()
@@ -128,15 +123,13 @@ def _replies() -> tuple[SpareReplies, int]:
     return SpareReplies(r, 0), w
 
 
-def test_spare_replies_match_answers_to_waits(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_spare_replies_match_answers_to_waits(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO")
     replies, w = _replies()
     first, second = replies.new_id(), replies.new_id()
     assert first != second
-    f1, f2 = tmp_path / "1.index", tmp_path / "2.index"
-    f1.write_bytes(b"i1")
-    f2.write_bytes(b"i2")
     os.write(w, b"not json\n" + json.dumps({"id": first, "ok": True, "toc_digest": None}).encode() + b"\n")
-    assert replies.wait(first, f1, 10.0) == SpareParsed(f1, None)  # answered before the wait began
+    assert replies.wait(first, 10.0) == SpareParsed(None)  # answered before the wait began
     assert "event=spare_reply_bad" in caplog.text
 
     def answer_later() -> None:
@@ -144,25 +137,21 @@ def test_spare_replies_match_answers_to_waits(tmp_path: Path, caplog: pytest.Log
         os.write(w, json.dumps({"id": second, "ok": False, "why": "parse failed: bad"}).encode() + b"\n")
 
     threading.Thread(target=answer_later).start()
-    assert replies.wait(second, f2, 10.0) is None  # "not ok": parse it yourself, and the file is gone
-    assert not f2.exists() and f1.exists()
-    # No answer in time: None, and nothing left at the index path.
-    late = tmp_path / "late.index"
-    late.write_bytes(b"half")
+    assert replies.wait(second, 10.0) is None  # "not ok": parse it yourself
+    assert "parse failed: bad" in caplog.text
+    # No answer in time: None; its answer, when it comes after all, is nobody's and is dropped.
     began = time.monotonic()
     late_id = replies.new_id()
-    assert replies.wait(late_id, late, 0.2) is None
-    assert time.monotonic() - began < 5 and not late.exists()
-    # Its answer comes after all, with the files written: they are removed then, not left behind.
-    late.write_bytes(b"index")
-    keys_file_beside(late).write_bytes(b"keys")
+    assert replies.wait(late_id, 0.2) is None
+    assert time.monotonic() - began < 5
     os.write(w, json.dumps({"id": late_id, "ok": True, "toc_digest": None}).encode() + b"\n")
     deadline = time.monotonic() + 10
-    while late.exists() or keys_file_beside(late).exists():
-        assert time.monotonic() < deadline, "a late answer's index files were left behind"
+    while f"event=spare_reply_late pid=0 id={late_id}" not in caplog.text:
+        assert time.monotonic() < deadline, "a late answer was not recognised as one"
         time.sleep(0.01)
+    assert replies._answers == {}
     # The spare closed its end (handed a mount, or died): every wait ends at once.
     os.close(w)
     began = time.monotonic()
-    assert replies.wait(replies.new_id(), tmp_path / "never", 30.0) is None
+    assert replies.wait(replies.new_id(), 30.0) is None
     assert time.monotonic() - began < 5 and replies.closed

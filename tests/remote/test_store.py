@@ -1,86 +1,115 @@
-"""remote/store.py: LayerStore.adopt (an index file written elsewhere, by the spare, becomes the
-layer's stored index, moved into place or, across file systems, copied and removed) and the
-cache keys file the daemon's garbage collection reads instead of loading the index."""
+"""remote/store.py: a layer stored as its metadata bytes (`save_metadata`, what the daemon does
+when the spare parsed them), the index derived from them on load and written beside them later
+(`write_derived_index`), and the cache keys file the daemon's garbage collection reads instead
+of loading the index."""
 
 from __future__ import annotations
 
-import errno
 import io
 import os
 from pathlib import Path
 
 import pytest
 
+from snapshotter.errors import FormatError
 from snapshotter.formats import estargz
 from snapshotter.formats.estargz import write_estargz
 from snapshotter.formats.index import LayerIndex
-from snapshotter.formats.index_codec import dump_index
 from snapshotter.formats.metadata_parse import ESTARGZ, MetadataParse, parse_metadata
-from snapshotter.remote import store as store_module
 from snapshotter.remote.store import (
+    INDEX_FILE,
     KEYS_FILE,
+    METADATA_FILE,
+    PARSE_FILE,
     LayerMeta,
     LayerStore,
-    discard_index_files,
-    keys_file_beside,
     layer_cache_keys,
     load_keys,
-    write_index_files,
+    load_layer_index,
+    write_derived_index,
 )
 from tests.faults.imagekit import tar_of
 
 LAYER = "sha256:" + "cd" * 32
 
 
-def _index_file(tmp: Path) -> tuple[Path, LayerIndex]:
-    index = LayerIndex(format="estargz", entries=(), toc_digest="sha256:" + "1" * 64)
-    path = tmp / "from-spare.index"
-    path.write_bytes(dump_index(index))
-    return path, index
-
-
-@pytest.mark.parametrize("across_file_systems", [False, True])
-def test_adopt_moves_the_file_in_and_writes_meta_last(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                      across_file_systems: bool) -> None:
-    layers = LayerStore(tmp_path / "layers")
-    legacy = layers.layer_dir(LAYER) / "index.json"
-    legacy.parent.mkdir(parents=True)
-    legacy.write_text("{}")  # what an earlier release wrote: replaced
-    source, index = _index_file(tmp_path)
-    if across_file_systems:
-        real_replace = os.replace
-
-        def replace(src: object, dst: object) -> None:
-            if Path(str(src)) == source:
-                raise OSError(errno.EXDEV, "Invalid cross-device link")
-            real_replace(src, dst)  # type: ignore[arg-type]
-
-        monkeypatch.setattr(store_module.os, "replace", replace)
-    meta = LayerMeta(LAYER, "estargz", 1234, "reg/x:1", index.toc_digest, "k" * 64)
-    assert layers.adopt(meta, source) == layers.index_path(LAYER)
-    assert not source.exists() and not legacy.exists()
-    assert layers.load(LAYER) == index and layers.meta(LAYER) == meta
-
-
-def test_a_failed_adopt_stores_nothing(tmp_path: Path) -> None:
-    layers = LayerStore(tmp_path / "layers")
-    with pytest.raises(FileNotFoundError):
-        layers.adopt(LayerMeta(LAYER, "estargz", 1, "reg/x:1", None), tmp_path / "missing.index")
-    assert layers.meta(LAYER) is None
-
-
-def _parsed(files: dict[str, bytes]) -> LayerIndex:
-    """The index of an eStargz layer of `files`, as the daemon parses it."""
+def _metadata(files: dict[str, bytes]) -> tuple[MetadataParse, bytes]:
+    """How an eStargz layer of `files` parses, and its TOC member: what the daemon fetches."""
     out = io.BytesIO()
     write_estargz(io.BytesIO(tar_of(files, dirs=())), out, chunk_size=4096)
     blob = out.getvalue()
     footer = estargz.parse_footer(blob[-estargz.FOOTER_SIZE:])
     offset, length = estargz.toc_range(footer, len(blob))
-    p = MetadataParse(ESTARGZ, LAYER, len(blob), 1 << 20, toc_offset=footer.toc_offset)
-    return parse_metadata(p, blob[offset:offset + length])
+    return MetadataParse(ESTARGZ, LAYER, len(blob), 1 << 20, toc_offset=footer.toc_offset), \
+        blob[offset:offset + length]
+
+
+def _parsed(files: dict[str, bytes]) -> LayerIndex:
+    """The index of an eStargz layer of `files`, as the daemon parses it."""
+    return parse_metadata(*_metadata(files))
 
 
 FILES = {"small": b"s" * 100, "big": os.urandom(20000), "empty": b""}
+
+
+def _meta(p: MetadataParse, data: bytes, toc_digest: str | None = None) -> LayerMeta:
+    return LayerMeta(LAYER, "estargz", p.blob_size, "reg/x:1", toc_digest, p.key(data))
+
+
+def test_stored_metadata_loads_as_the_index_it_parses_to(tmp_path: Path) -> None:
+    layers = LayerStore(tmp_path / "layers")
+    old = _parsed({"old": b"o" * 9000})
+    layers.save(LayerMeta(LAYER, "estargz", 1, "reg/x:0", old.toc_digest), old)  # an earlier resolve's index
+    p, data = _metadata(FILES)
+    expected = parse_metadata(p, data)
+    meta = _meta(p, data, expected.toc_digest)
+    assert layers.save_metadata(meta, p, data) == layers.index_path(LAYER)
+    d = layers.layer_dir(LAYER)
+    # The earlier index and its keys never outlive it: they would name the old tree.
+    assert sorted(f.name for f in d.iterdir()) == ["meta.json", METADATA_FILE, PARSE_FILE]
+    assert layers.meta(LAYER) == meta
+    assert layers.load(LAYER) == expected == load_layer_index(layers.index_path(LAYER))
+    assert layers.cache_keys(LAYER) == layer_cache_keys(expected, LAYER)  # no keys file: from the bytes
+    # A later full parse by the daemon replaces the bytes.
+    layers.save(LayerMeta(LAYER, "estargz", 1, "reg/x:0", old.toc_digest), old)
+    assert sorted(f.name for f in d.iterdir()) == [KEYS_FILE, INDEX_FILE, "meta.json"]
+    assert layers.load(LAYER) == old
+
+
+def test_nothing_to_load_and_damaged_metadata_are_named(tmp_path: Path) -> None:
+    layers = LayerStore(tmp_path / "layers")
+    with pytest.raises(FileNotFoundError, match=INDEX_FILE):
+        layers.load(LAYER)
+    p, data = _metadata(FILES)
+    layers.save_metadata(_meta(p, data), p, data)
+    (layers.layer_dir(LAYER) / PARSE_FILE).write_text("{not json")
+    with pytest.raises(FormatError, match=PARSE_FILE):
+        layers.load(LAYER)
+    layers.save_metadata(_meta(p, data), p, data)
+    (layers.layer_dir(LAYER) / METADATA_FILE).write_bytes(data[:40])
+    with pytest.raises(FormatError, match=LAYER):
+        layers.load(LAYER)
+
+
+def test_the_derived_index_is_written_once_and_only_for_the_metadata_it_came_from(tmp_path: Path) -> None:
+    layers = LayerStore(tmp_path / "layers")
+    p, data = _metadata(FILES)
+    index = parse_metadata(p, data)
+    meta = _meta(p, data, index.toc_digest)
+    layers.save_metadata(meta, p, data)
+    index_file = layers.index_path(LAYER)
+    # A parse of other bytes (the layer was resolved again meanwhile) writes nothing.
+    assert not write_derived_index(index_file, index, LAYER, "0" * 64)
+    assert not index_file.exists()
+    assert write_derived_index(index_file, index, LAYER, meta.parse_key or "")
+    assert load_keys((layers.layer_dir(LAYER) / KEYS_FILE).read_bytes()) == layer_cache_keys(index, LAYER)
+    (layers.layer_dir(LAYER) / METADATA_FILE).write_bytes(b"damaged")  # not read: the index answers
+    assert layers.load(LAYER) == index
+    assert not write_derived_index(index_file, index, LAYER, meta.parse_key or "")  # there already
+    # A layer stored as an index (no metadata bytes) is never rewritten from elsewhere.
+    layers.save(meta, index)
+    index_file.unlink()
+    assert not write_derived_index(index_file, index, LAYER, meta.parse_key or "")
 
 
 def test_the_collection_reads_the_keys_file_not_the_index(tmp_path: Path) -> None:
@@ -98,24 +127,3 @@ def test_the_collection_reads_the_keys_file_not_the_index(tmp_path: Path) -> Non
     (layers.layer_dir(LAYER) / KEYS_FILE).unlink()
     assert layers.cache_keys(LAYER) == expected
     assert layers.remove_unreferenced(set()) == [LAYER] and not layers.layer_dir(LAYER).exists()
-
-
-def test_adopted_files_bring_their_keys_and_stale_keys_never_stay(tmp_path: Path) -> None:
-    layers = LayerStore(tmp_path / "layers")
-    old, new = _parsed({"old": b"o" * 9000}), _parsed(FILES)
-    layers.save(LayerMeta(LAYER, "estargz", 1, "reg/x:1", old.toc_digest), old)
-    written = tmp_path / "spare.index"
-    write_index_files(written, new, LAYER)
-    layers.adopt(LayerMeta(LAYER, "estargz", 2, "reg/x:2", new.toc_digest), written)
-    assert not written.exists() and not keys_file_beside(written).exists()
-    assert layers.load(LAYER) == new and layers.cache_keys(LAYER) == layer_cache_keys(new, LAYER)
-    # An index adopted without keys beside it: the old keys go, the index answers.
-    bare = tmp_path / "bare.index"
-    bare.write_bytes(dump_index(old))
-    layers.adopt(LayerMeta(LAYER, "estargz", 1, "reg/x:1", old.toc_digest), bare)
-    assert not (layers.layer_dir(LAYER) / KEYS_FILE).exists()
-    assert layers.cache_keys(LAYER) == layer_cache_keys(old, LAYER)
-    # Discarded: neither file is left.
-    write_index_files(written, new, LAYER)
-    discard_index_files(written)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["layers"]
