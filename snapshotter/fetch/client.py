@@ -833,16 +833,21 @@ class RegistryClient:
                             host: RegistryHost) -> httpx.Response:
         """The answer to `request` (https://) from a host that may speak plain HTTP only: the
         same request goes out over plain HTTP at once, alongside the TLS attempt, so learning
-        which one the host speaks costs no round trip of its own. TLS wins when its handshake
-        succeeds (the plain answer, typically a 400, is dropped and the host is remembered as
-        speaking TLS); when TLS cannot connect, the plain answer is used and the host is
-        remembered as plain (as the TLS-then-plain fallback would). Only for requests that
-        carry no credentials (the caller's rule): nothing secret goes out unencrypted.
-        Raises what the chosen scheme's request raised (httpx errors)."""
+        which one the host speaks costs no round trip of its own. A plain answer with a 2xx
+        status shows that the port speaks plain HTTP (a TLS port answers a plain request with a
+        400, or not at all): it is used at once, the TLS attempt dropped, and the host is
+        remembered as plain, with no wait for a TLS attempt that a port may never answer (one
+        that drops or stalls a ClientHello). Otherwise TLS wins when its handshake succeeds (the plain
+        answer is dropped and the host is remembered as speaking TLS); when TLS cannot connect,
+        the plain answer is used and the host is remembered as plain (as the TLS-then-plain
+        fallback would). Only for requests that carry no credentials (the caller's rule):
+        nothing secret goes out unencrypted. Raises what the chosen scheme's request raised
+        (httpx errors)."""
         plain_request = client.build_request(request.method, request.url.copy_with(scheme="http"),
                                              headers=request.headers)
         plain: list[httpx.Response | Exception] = []
         plain_done = trio.Event()
+        tls_attempt = trio.CancelScope()
 
         async def send_plain() -> None:
             try:
@@ -851,17 +856,23 @@ class RegistryClient:
                 plain.append(exc)
             finally:
                 plain_done.set()
+            answer = plain[0]
+            if isinstance(answer, httpx.Response) and answer.is_success:
+                tls_attempt.cancel()
 
         tls: httpx.Response | None = None
         tls_error: BaseException | None = None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(send_plain)
-            try:
-                tls = await client.send(request, stream=True)
-            except httpx.ConnectError:
-                await plain_done.wait()
-            except BaseException as exc:  # raised after the nursery: inside it, it would be grouped
-                tls_error = exc
+            with tls_attempt:
+                try:
+                    tls = await client.send(request, stream=True)
+                except httpx.ConnectError:
+                    await plain_done.wait()
+                except BaseException as exc:  # raised after the nursery: inside it, it would be grouped
+                    tls_error = exc
+            if tls_attempt.cancel_called and isinstance(tls_error, trio.Cancelled):
+                tls_error = None  # the plain answer won (were the caller cancelled too, trio says so again)
             nursery.cancel_scope.cancel()
         if tls is not None or tls_error is not None:
             for outcome in plain:

@@ -248,8 +248,10 @@ def _preload(doc: dict[str, Any], line: bytes, preloads: _Preloads, *, skip: boo
             decline("skipped: handed a mount")
             return
         key = p.key(data)
+        parse_began = preloads.clock()
         with gc_paused():
             index = parse(p, data)
+        parse_seconds = preloads.clock() - parse_began
     except (OSError, SnapshotterError) as exc:
         log.info("event=preload_failed layer=%s error=%r", p.layer_digest, str(exc))
         decline(f"parse failed: {exc}")
@@ -266,8 +268,8 @@ def _preload(doc: dict[str, Any], line: bytes, preloads: _Preloads, *, skip: boo
         else:
             if started is not None:
                 preloads.early = [*preloads.early[-(MAX_PRELOADS - 1):], started]
-    log.info("event=preloaded layer=%s entries=%d seconds=%.3f answered=%s", p.layer_digest, len(index.entries),
-             preloads.clock() - began, "yes" if wants_answer else "no")
+    log.info("event=preloaded layer=%s entries=%d seconds=%.3f parse_seconds=%.3f answered=%s", p.layer_digest,
+             len(index.entries), preloads.clock() - began, parse_seconds, "yes" if wants_answer else "no")
     with gc_paused():  # the tree is object building without cycles, as in the mount (process.py)
         preloads.add(p.layer_digest, key, index, layers)
     # What was parsed lives until the mount (or PRELOAD_TTL): later collections need not scan it.

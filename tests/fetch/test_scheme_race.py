@@ -26,9 +26,11 @@ class SchemeRelay:
     (or after WAIT seconds): a client that tries TLS first and plain HTTP only after TLS failed
     is held the full WAIT (and `plain_while_tls_held` stays False)."""
 
-    def __init__(self, upstream: str, *, hold_tls: bool = False) -> None:
+    def __init__(self, upstream: str, *, hold_tls: bool = False, stall_tls: bool = False) -> None:
         self.upstream = upstream
         self.hold_tls = hold_tls
+        self.stall_tls = stall_tls  # a TLS connection gets no answer at all until the relay closes
+        self.tls_stalled = threading.Event()
         self.schemes: list[str] = []
         self.plain_seen = threading.Event()
         self.plain_while_tls_held = False
@@ -70,6 +72,10 @@ class SchemeRelay:
                 self.schemes.append("tls" if tls else "plain")
             if not tls:
                 self.plain_seen.set()
+            elif self.stall_tls:
+                self.tls_stalled.set()
+                self._stop.wait(WAIT)
+                return
             elif self.hold_tls and self.plain_seen.wait(WAIT):
                 self.plain_while_tls_held = True
             host, port = self.upstream.rsplit(":", 1)
@@ -123,6 +129,27 @@ def test_plain_registry_is_asked_over_plain_http_while_tls_is_still_trying(image
     finally:
         relay.close()
     assert relay.plain_while_tls_held, "the plain request was sent only after TLS had failed"
+    assert relay.schemes.count("tls") == 1, relay.schemes
+
+
+def test_a_plain_answer_with_the_data_is_used_without_waiting_for_tls_to_fail(image: PushedImage) -> None:
+    """A port that answers the plain request with the data speaks plain HTTP: its answer is used
+    at once, while the TLS attempt still waits for a handshake that never comes (a TLS port
+    answers a plain request with a 400, which would leave the choice to TLS)."""
+    digest, data = min(image.layers.items(), key=lambda kv: len(kv[1]))
+    relay = SchemeRelay(image.registry, stall_tls=True)
+    stalled_at_answer: list[bool] = []
+    try:
+        async def main() -> None:
+            async with RegistryClient(FAST) as c:
+                assert await c.read_range(_ref_via(relay, image), digest, 7, 40) == data[7:47]
+                stalled_at_answer.append(relay.tls_stalled.is_set() and not relay._stop.is_set())
+                assert c.plain_http_hosts() == frozenset({relay.host}) and c.stats.retries == 0
+
+        trio.run(main)
+    finally:
+        relay.close()
+    assert stalled_at_answer == [True], "the answer waited for the TLS attempt to end"
     assert relay.schemes.count("tls") == 1, relay.schemes
 
 
