@@ -138,8 +138,13 @@ def test_mount_read_ahead_window(built: dict[str, Any], tmp_path: Path, setting:
     """1 MiB by default (one FUSE request per MiB of a sequential read, not per 128 KiB); the
     state's read_ahead_kb sets it, 0 leaves the kernel's default (128 KiB for FUSE)."""
     extra: dict[str, Any] = {} if setting is None else {"read_ahead_kb": setting}
+    expected = {None: 1024, 0: 128, 512: 512}[setting]
     with mount_process(tmp_path, [built["specs"]], subtrees=False, **extra) as m:
-        assert _read_ahead_kb(m.mountpoint) == {None: 1024, 0: 128, 512: 512}[setting], m.log()
+        # Set once the kernel has our INIT reply, which the ready file does not wait for.
+        deadline = time.monotonic() + 10
+        while _read_ahead_kb(m.mountpoint) != expected and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _read_ahead_kb(m.mountpoint) == expected, m.log()
         assert read_all(m.mountpoint / "big") == BIG
 
 
