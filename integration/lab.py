@@ -472,6 +472,8 @@ class Lab:
             str(self.snapshotter_root),
             "--address",
             str(self.snapshotter_socket),
+            "--containerd-address",
+            str(self.containerd_socket),
         ]
         if self.daemon_config is not None:
             argv += ["--config", str(self.daemon_config)]

@@ -29,6 +29,8 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["address"] = str(args.address)
     if args.log_level is not None:
         overrides["log_level"] = args.log_level
+    if args.containerd_address is not None:
+        overrides["containerd_address"] = args.containerd_address
     config = config.replace(**overrides) if overrides else config
     setup_logging(config.log_level, config.log_format)
     return daemon.run(config)
@@ -109,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--address", type=Path, help=f"gRPC unix socket (default {Config.address})")
     serve.add_argument("--config", type=Path, help=f"TOML config file (default {DEFAULT_CONFIG_PATH} if present)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--containerd-address", metavar="SOCKET",
+                       help=f"containerd's socket, for its container events ('' = none; default "
+                            f"{Config.containerd_address})")
     serve.set_defaults(func=_serve)
 
     insp = sub.add_parser("inspect", help="print a layer's (or every layer of an image's) index as JSON")

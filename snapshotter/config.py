@@ -68,6 +68,10 @@ class PrefetchConfig:
                "prefetch list's, the container's start does not wait for them (its reads wait for the fetch in "
                "flight); with `mount_on_pull` the spare starts them, and each layer's prefetch list, as soon as it "
                "has parsed the layer during the pull"})
+    program: bool = field(default=True, metadata={
+        "doc": "when containerd creates a container over a lazily mounted image, prefetch the program it will run "
+               "(its args[0], looked up in its PATH as runc does; at most 16 MiB of it), learned from containerd's "
+               "container events, so runc's exec of it finds it cached (needs containerd_address)"})
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,9 @@ class Config:
     log_level: str = field(default="info", metadata={"doc": "debug, info, warning or error"})
     log_format: str = field(default="text", metadata={"doc": "text (key=value) or json"})
     metrics_address: str = field(default="", metadata={"doc": "host:port for Prometheus /metrics ('' = off)"})
+    containerd_address: str = field(default="/run/containerd/containerd.sock", metadata={
+        "doc": "containerd's own socket, whose container events tell what each new container runs "
+               "(prefetch.program; '' = not watched)"})
     resolve_timeout: float = field(default=30.0, metadata={
         "doc": "seconds to resolve a lazy layer before falling back"})
     fetch_timeout: float = field(default=60.0, metadata={"doc": "seconds a read waits for a chunk before EIO"})
@@ -92,9 +99,9 @@ class Config:
                "while it waits)"})
     preload_metadata: bool = field(default=True, metadata={
         "doc": "hand the spare mount process each lazy layer's metadata (TOC, bootstrap) as the daemon resolves "
-               "it, so the spare parses it (on another core, and in place of the daemon, which stores the index the "
-               "spare wrote) and the image's mount starts from it instead of loading the daemon's copy afterwards "
-               "(needs spare_mount_process)"})
+               "it, so the spare parses it (on another core, and in place of the daemon, which stores the metadata "
+               "bytes once the spare says they parse) and the image's mount starts from it instead of loading the "
+               "daemon's copy afterwards (needs spare_mount_process)"})
     metadata_image: bool = field(default=True, metadata={
         "doc": "write an EROFS image of each image's file tree once its mount is idle (once; kept) and mount it "
                "next to the image's mount, so containers started after that get lookups, stats and directory "

@@ -28,6 +28,7 @@ from snapshotter.config import Config
 from snapshotter.errors import SnapshotterError
 from snapshotter.grpcapi import SnapshotsServicer, add_to_server
 from snapshotter.remote.backend import RemoteBackend
+from snapshotter.remote.container_watch import ContainerWatch
 from snapshotter.remote.mounts import MountManager
 from snapshotter.remote.mountstats import MountStatsCollector
 from snapshotter.snapshots.service import Snapshotter
@@ -116,6 +117,7 @@ class Daemon:
     _cache: ChunkCache | None = None
     _cache_lock: threading.Lock = field(default_factory=threading.Lock)
     _watch_stop: threading.Event = field(default_factory=threading.Event)
+    _containers: ContainerWatch | None = None
 
     def cache_usage(self) -> tuple[int, int]:
         """(bytes, chunks) in the chunk cache the mount processes share (opened on first use)."""
@@ -151,6 +153,9 @@ class Daemon:
         self._watch_stop.clear()
         threading.Thread(target=self.mounter.watch, args=(self._watch_stop,), name="watch-mounts",
                          daemon=True).start()
+        if self.config.containerd_address and self.config.prefetch.program:
+            self._containers = ContainerWatch(self.config.containerd_address, backend.container_created)
+            self._containers.start()
         if self.config.metrics_address:
             host, _, port = self.config.metrics_address.rpartition(":")
             self._collector = MountStatsCollector(self.mounter.dir, self.cache_usage)
@@ -178,6 +183,9 @@ class Daemon:
     def stop(self) -> None:
         notify_systemd("STOPPING=1")
         self._watch_stop.set()
+        if self._containers is not None:
+            self._containers.close()
+            self._containers = None
         if self.mounter is not None:
             self.mounter.close()
         if self.backend is not None:

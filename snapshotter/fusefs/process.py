@@ -50,6 +50,7 @@ from snapshotter.formats.index import Chunk, Entry, EntryType, LayerIndex
 from snapshotter.fusefs.direct import DirectFiles
 from snapshotter.fusefs.ops import FsConfig, LayerReader, LazyOperations, ReadRecorder
 from snapshotter.fusefs.prefetch import ForegroundGate, Prefetcher, PrefetchSettings
+from snapshotter.fusefs.program_prefetch import ProgramPrefetch
 from snapshotter.fusefs.spare import Assignment, StartEarly, wait_for_assignment
 from snapshotter.fusefs.state import (  # noqa: F401  (LayerSpec, parse_state, ... are this module's API too)
     DEFAULT_READ_AHEAD_KB,
@@ -227,10 +228,16 @@ def write_record(state: MountState, recorder: ReadRecorder) -> None:
         log.info("wrote first-read record of %d files to %s", len(recorder.paths), state.record_file)
 
 
-async def _watch_signals(state: MountState, recorder: ReadRecorder, stop: trio.CancelScope) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGUSR1) as signals:
+async def _watch_signals(state: MountState, recorder: ReadRecorder, stop: trio.CancelScope,
+                         programs: ProgramPrefetch, nursery: trio.Nursery) -> None:
+    """SIGUSR1: write the first-read record; SIGUSR2: fetch the programs asked for (those asked
+    before this runs too); SIGTERM, SIGINT: unmount."""
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2) as signals:
+        nursery.start_soon(programs.run_pending)
         async for signum in signals:
-            if signum == signal.SIGUSR1:
+            if signum == signal.SIGUSR2:
+                nursery.start_soon(programs.run_pending)
+            elif signum == signal.SIGUSR1:
                 try:
                     write_record(state, recorder)
                 except OSError as exc:
@@ -348,7 +355,9 @@ async def serve(state: MountState, tree: MountTree, reader_kinds: Mapping[str, R
         try:
             log.info("serving %d inodes from %d layers at %s", len(tree), len(tree.layers), state.mountpoint)
             async with trio.open_nursery() as inner:
-                inner.start_soon(_watch_signals, state, recorder, inner.cancel_scope)
+                programs = ProgramPrefetch(_get(state.doc, "programs_dir", (str, type(None)), "state", None),
+                                           tree, readers)
+                inner.start_soon(_watch_signals, state, recorder, inner.cancel_scope, programs, inner)
                 inner.start_soon(_prefetch_after, prefetcher, early, env)
                 inner.start_soon(_read_ahead_after_init, state)
                 inner.start_soon(_ready_after_prefetch, state, tree, prefetcher)
@@ -509,6 +518,9 @@ def main(argv: Sequence[str] | None = None, *, reader_kinds: Mapping[str, Reader
     from snapshotter.memory import MOUNT_PROCESS, tune_malloc
 
     tune_malloc(MOUNT_PROCESS)  # before trio starts worker threads
+    # A program request (SIGUSR2) that comes before the mount watches for it must not end the
+    # process (the default action): the request waits in its directory until then.
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     if (args.state_file is None) != args.spare:
         parser.error("give a state file, or --spare (not both)")
     from snapshotter.logs import setup_logging

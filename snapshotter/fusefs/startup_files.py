@@ -18,7 +18,7 @@ path wins; a local layer stacked between runs may hide it, which only costs a ne
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from snapshotter.formats.index import Entry, EntryType, LayerIndex
 from snapshotter.fusefs.tree import ROOT_INODE, MountTree, Node
@@ -192,3 +192,22 @@ def layer_startup_entries(index: LayerIndex) -> list[Entry]:
                 parent = loader_path[0].rpartition("/")[0]
                 take(_regular_in_layer(index, f"{parent}/{LIBC_NAME}" if parent else LIBC_NAME))
     return found
+
+
+def program_file(tree: MountTree, candidates: Sequence[str]) -> Node | None:
+    """The file a container's program lookup finds in the merged tree (runtime_spec.py
+    `Program.candidates`, tried in order): the first candidate that is, in the topmost run that
+    has anything under that name, an executable regular file. Something else there (a directory,
+    a whiteout, a file without execute bits) hides the lower runs' entries of that name, and the
+    lookup goes on with the next candidate, as runc's does."""
+    roots = _run_roots(tree)
+    for path in candidates:
+        for root in roots:
+            node = _resolve(tree, root, path)
+            if node is None:
+                continue
+            found = _regular(node)
+            if found is not None and found.mode & 0o111:
+                return found
+            break
+    return None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import threading
 import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
@@ -53,7 +54,8 @@ from snapshotter.remote.resolver import NYDUS_BLOB_FORMAT, NotLazy, ResolvedLaye
 from snapshotter.remote.settings import fetch_config_from
 from snapshotter.remote.spare_replies import SpareWait
 from snapshotter.remote.store import LayerMeta, LayerStore
-from snapshotter.snapshots.model import Info, LowerDirs, Mount, Snapshot, Usage
+from snapshotter.runtime_spec import Program
+from snapshotter.snapshots.model import Info, Kind, LowerDirs, Mount, Snapshot, Usage
 from snapshotter.snapshots.service import Snapshotter
 
 MOUNT_AHEAD_IDLE = 60.0  # seconds a mount started on pull waits for a container before it is stopped
@@ -87,6 +89,7 @@ class Mounter(Protocol):
     def metadata_dir(self, mount_id: str) -> str | None: ...
     def direct_dir(self, mount_id: str) -> str | None: ...
     def prune_metadata_images(self) -> list[str]: ...
+    def prefetch_program(self, mount_id: str, program: Mapping[str, Any]) -> bool: ...
     def preload(self, parse: MetadataParse, data: bytes, key: str, image_layers: tuple[str, ...] = (), *,
                 want_answer: bool = False, early: Mapping[str, Any] | None = None) -> SpareWait | None: ...
 
@@ -378,6 +381,26 @@ class RemoteBackend:
                     users = []
                 if not users:
                     self.mounter.release(mount_id)
+
+    def container_created(self, namespace: str, snapshotter: str, snapshot_key: str, program: Program) -> bool:
+        """containerd created a container (remote/container_watch.py) whose snapshot is
+        `snapshot_key` of `snapshotter` in `namespace`: when that snapshot is ours and stands on
+        remote layers, ask the image's mount to fetch `program` (config prefetch.program). True
+        when asked. containerd names a snapshot to a proxy snapshotter as NAMESPACE/N/KEY."""
+        if not self.config.prefetch.program:
+            return False
+        wanted = re.compile(rf"{re.escape(namespace)}/\d+/{re.escape(snapshot_key)}")
+        for info in self.sn.walk([]):
+            if info.kind is not Kind.ACTIVE or not wanted.fullmatch(info.name):
+                continue
+            snap = self.sn.snapshot(info.name)
+            if self._plan(snap.parent_ids) is None:
+                return False  # no remote layer under it: nothing to fetch
+            asked = self.mounter.prefetch_program(snap.parent_ids[0], program.to_doc())
+            log.info("event=program_requested snapshotter=%s container_snapshot=%s mount=%s program=%s asked=%s",
+                     snapshotter, info.name, snap.parent_ids[0], program.name, "yes" if asked else "no")
+            return asked
+        return False
 
     # -- the rest is the ordinary snapshotter ----------------------------------------------------
 

@@ -88,6 +88,7 @@ IN_USE_FILE = "in_use"  # made when a snapshot over the image asks for the mount
 RECORD_FILE = "record.json"  # its first-read record, on SIGUSR1 and at exit (`snapshotter record`)
 STATS_FILE = "stats.json"
 DIRECT_DIR = "direct"  # hard links of whole cached files, a data-only layer (fusefs/direct.py)
+PROGRAMS_DIR = "programs"  # programs a new container will run, for the mount to fetch (fusefs/program_prefetch.py)
 STOP_TIMEOUT = 5.0
 SPARE_DELAY = 2.0  # seconds after a hand-off before the next spare starts (off the container's start path)
 SPARE_LOG = "spare.log"
@@ -237,6 +238,7 @@ class MountManager:
                 "fetch_timeout": self.config.fetch_timeout,
                 "bare_runs": list(bare_runs),
                 "in_use_file": str(in_use),
+                "programs_dir": str(self.dir / mount_id / PROGRAMS_DIR),
                 # What the daemon learned: the mount's first read need not try TLS first.
                 "plain_http_hosts": sorted(plain_http_hosts),
                 "config": dataclasses.asdict(self.config),
@@ -315,6 +317,30 @@ class MountManager:
                                     stderr=log_out, start_new_session=True, close_fds=True)
         self.schedule_spare()
         return proc
+
+    def prefetch_program(self, mount_id: str, program: Mapping[str, Any]) -> bool:
+        """Ask image `mount_id`'s mount process to fetch the program a container is about to run
+        (runtime_spec.py `Program.to_doc`): a file in its programs dir, then SIGUSR2. Only a
+        serving mount whose state names that dir (one started by a daemon that knows of it:
+        SIGUSR2 would end an older one) is asked. True when asked."""
+        pid = self._pid(mount_id)
+        if pid is None:
+            return False
+        _mnt, state, _pidf, _logf = self._paths(mount_id)
+        try:
+            directory = json.loads(state.read_bytes()).get("programs_dir")
+            if not isinstance(directory, str) or not _pid_is_mount_process(pid, state):
+                return False
+            os.makedirs(directory, exist_ok=True)
+            name = f"{time.time_ns()}-{threading.get_ident()}"
+            tmp = Path(directory) / f".{name}.tmp"
+            tmp.write_text(json.dumps(program))
+            os.replace(tmp, Path(directory) / f"{name}.json")
+            os.kill(pid, signal.SIGUSR2)
+        except (OSError, ValueError) as exc:  # ValueError: a state file that is not JSON
+            log.info("event=program_request_failed mount=%s error=%s", mount_id, exc)
+            return False
+        return True
 
     # -- metadata images -------------------------------------------------------------------------
 

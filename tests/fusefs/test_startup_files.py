@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from snapshotter.formats.index import EntryType
-from snapshotter.fusefs.startup_files import layer_startup_entries, startup_files
+from snapshotter.fusefs.startup_files import layer_startup_entries, program_file, startup_files
 from snapshotter.fusefs.tree import MountTree, build_tree
+from snapshotter.runtime_spec import DEFAULT_PATH, Program
 from tests.fusefs.layers import Layer
 
 LIBDIR = "usr/lib/x86_64-linux-gnu"
@@ -102,3 +103,41 @@ def test_one_layer_without_them_or_with_broken_links_gives_nothing() -> None:
     assert _names(Layer().file("app", b"static binary")) == []
     # An upper layer holding only a new /etc/passwd gives just that (the merged tree decides the rest).
     assert _names(Layer().dir("etc").file("etc/passwd", b"root:x:0:0\n")) == ["etc/passwd"]
+
+
+def _program(tree: MountTree, name: str, path: tuple[str, ...] = DEFAULT_PATH, cwd: str = "/") -> str | None:
+    node = program_file(tree, Program(name, path, cwd).candidates())
+    return tree.path_of(node) if node is not None else None
+
+
+def test_a_containers_program_is_found_as_runc_looks_it_up() -> None:
+    """PATH order, symlinks followed (merged /usr: /bin -> usr/bin), a name with a slash taken as
+    it is (relative to cwd), no execute bit or a directory in the way: the next PATH entry."""
+    image = (_debian().dir("usr/bin").symlink("bin", "usr/bin").dir("usr/local").dir("usr/local/bin")
+             .file("usr/bin/true", b"\x7fELF true", mode=0o755)
+             .file("usr/local/bin/true", b"not executable", mode=0o644)
+             .dir("usr/local/sbin").dir("usr/local/sbin/true")
+             .file("usr/bin/python3.11", b"\x7fELF python", mode=0o755)
+             .symlink("usr/bin/python3", "python3.11")
+             .dir("app").file("app/run.sh", b"#!/bin/sh\n", mode=0o755))
+    tree = build_tree([[image.index()]], subtrees=True, bare_runs=(0,))
+    assert _program(tree, "true") == "0/usr/bin/true"
+    assert _program(tree, "python3") == "0/usr/bin/python3.11"
+    assert _program(tree, "/bin/true") == "0/usr/bin/true"
+    assert _program(tree, "./run.sh", cwd="/app") == "0/app/run.sh"
+    assert _program(tree, "../app/run.sh", cwd="/usr") == "0/app/run.sh"
+    assert _program(tree, "true", path=("/usr/local/bin",)) is None  # there, but not executable
+    assert _program(tree, "missing") is None
+
+
+def test_an_upper_runs_entry_hides_the_lower_runs_program() -> None:
+    """Across runs (subtrees), the topmost run holding the name decides: a whiteout there hides
+    the program below, and the lookup goes on in the next PATH directory."""
+    base = _debian().dir("usr/bin").dir("bin").file("usr/bin/tool", b"\x7fELF v1", mode=0o755) \
+        .file("bin/tool", b"\x7fELF in /bin", mode=0o755)
+    top = Layer().dir("usr").dir("usr/bin").whiteout("usr/bin/tool")
+    tree = build_tree([[base.index()], [top.index()]], subtrees=True, bare_runs=(0,))
+    assert _program(tree, "tool") == "0/bin/tool"
+    replaced = Layer().dir("usr").dir("usr/bin").file("usr/bin/tool", b"\x7fELF v2", mode=0o755)
+    tree = build_tree([[base.index()], [replaced.index()]], subtrees=True, bare_runs=(0,))
+    assert _program(tree, "tool") == "1/usr/bin/tool"

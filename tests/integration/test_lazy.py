@@ -460,6 +460,17 @@ def test_the_spare_mount_process_serves_the_next_image(lab: Lab, pushed: Pushed)
         lab.ctr("images", "rm", "--sync", pushed.esgz_ref, namespace=ns, check=False)
 
 
+def _remove_keeper(lab: Lab, keeper: str, ref: str, ns: str) -> None:
+    """Kill and delete the container `keeper` (it kept an image's mount serving), then the image."""
+    lab.ctr("tasks", "kill", "-s", "SIGKILL", keeper, namespace=ns, check=False)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and "RUNNING" in lab.ctr("tasks", "ls", namespace=ns).stdout:
+        time.sleep(0.1)
+    lab.ctr("tasks", "delete", keeper, namespace=ns, check=False)
+    lab.ctr("containers", "delete", keeper, namespace=ns, check=False)
+    lab.ctr("images", "rm", "--sync", ref, namespace=ns, check=False)
+
+
 def test_the_spare_parses_a_new_images_layers_while_the_daemon_does(lab: Lab) -> None:
     """Every layer of an image new to the daemon is handed to the spare as it is resolved; the
     spare parses them and builds the image's tree before it is handed the mount, which then
@@ -511,13 +522,45 @@ def test_the_spare_parses_a_new_images_layers_while_the_daemon_does(lab: Lab) ->
         assert "event=tree_built_ahead layers=2" in mount_log
         assert re.search(r"event=tree_built layers=2 .*prebuilt=true", mount_log), mount_log[-2000:]
     finally:
-        lab.ctr("tasks", "kill", "-s", "SIGKILL", "preload-keeper", namespace=ns, check=False)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and "RUNNING" in lab.ctr("tasks", "ls", namespace=ns).stdout:
-            time.sleep(0.1)
-        lab.ctr("tasks", "delete", "preload-keeper", namespace=ns, check=False)
-        lab.ctr("containers", "delete", "preload-keeper", namespace=ns, check=False)
-        lab.ctr("images", "rm", "--sync", ref, namespace=ns, check=False)
+        _remove_keeper(lab, "preload-keeper", ref, ns)
+
+
+def test_the_program_a_new_container_runs_is_fetched_when_containerd_creates_it(lab: Lab) -> None:
+    """containerd's /containers/create event (remote/container_watch.py) makes the daemon read
+    the container's spec and ask the image's mount to fetch its program, looked up in the
+    spec's PATH through the image's symlinks (fusefs/program_prefetch.py): the mount fetches
+    it from the registry, and the container runs as without."""
+    ns = "program"
+    mounts_dir = lab.snapshotter_root / "mounts"
+    unique = os.urandom(8).hex()  # a program no earlier test cached
+    tool = images.File(f"opt/tool-{unique}/busybox", images.BUSYBOX.read_bytes() + unique.encode(), 0o755)
+    img = images.build_image(lab.dir / "oci", f"program-{unique}", [[*images.busybox_entries(), tool]],
+                             cmd=("/bin/sh",))
+    ref = lab.push_converted(lab.push(img, "program"), f"{lab.registry_host}/program:esgz-{unique}")
+    lab.ctr_remote("image", "rpull", "--plain-http", "--snapshotter", "lazy", ref, namespace=ns)
+    base = ["run", "--snapshotter", "lazy", "--runc-root", str(lab.dir / "runc"), "--fifo-dir", str(lab.dir / "fifo")]
+    log_at = len(lab.daemon_log())
+    lab.ctr(*base, "-d", ref, "program-keeper", "sleep", "60", namespace=ns)  # keeps the mount (and its log)
+    try:
+        out = lab.ctr(*base, "--rm", ref, "program-1", f"/{tool.path}", "echo", "ran", namespace=ns)
+        assert out.stdout == "ran\n", out
+        daemon_log = lab.daemon_log()[log_at:]
+        asked = {m.group(2): m.group(1) for m in re.finditer(
+            rf"event=program_requested snapshotter=lazy container_snapshot={ns}/\d+/program-\S+ mount=(\d+) "
+            r"program=(\S+) asked=yes", daemon_log)}
+        assert set(asked) == {"sleep", f"/{tool.path}"}, daemon_log[-3000:]
+        mount_log = mounts_dir / asked["sleep"] / "log"
+        found = _wait_for("the mount to fetch the programs", lambda: len(re.findall(
+            r"event=program_prefetch .*status=done", mount_log.read_text(errors="replace"))) == 2 and
+            mount_log.read_text(errors="replace"), timeout=30)
+        assert isinstance(found, str)
+        # sleep: an applet, found in PATH through its symlink (bin/sleep -> busybox)
+        assert re.search(r"event=program_prefetch name=sleep path=0/bin/busybox status=done", found), found
+        fetched = re.search(rf"event=program_prefetch name=/{tool.path} path=0/{tool.path} status=done "
+                            r"bytes=(\d+) requests=(\d+)", found)
+        assert fetched is not None and int(fetched.group(1)) > 0 and int(fetched.group(2)) >= 1, found
+    finally:
+        _remove_keeper(lab, "program-keeper", ref, ns)
 
 
 def test_mount_process_stops_with_the_last_container(lab: Lab, pushed: Pushed) -> None:

@@ -30,6 +30,7 @@ from snapshotter.remote.backend import RemoteBackend, RemoteLayer
 from snapshotter.remote.labels import REMOTE_LABEL, TARGET_SNAPSHOT_REF
 from snapshotter.remote.spare_replies import SpareParsed, SpareWait
 from snapshotter.remote.store import INDEX_FILE, METADATA_FILE, PARSE_FILE, layer_cache_keys
+from snapshotter.runtime_spec import Program
 from snapshotter.snapshots.model import Kind
 from snapshotter.snapshots.service import Snapshotter
 from tests.fetch.registry import RegistryProcess, free_port, push_image
@@ -67,6 +68,7 @@ class FakeMounter:
         self.pruned = 0  # calls of prune_metadata_images
         self.preloads: list[tuple[MetadataParse, bytes, tuple[str, ...]]] = []  # (parse, data, image layers)
         self.early: list[Mapping[str, Any] | None] = []  # each preload's "early" object
+        self.programs: list[tuple[str, dict[str, Any]]] = []  # prefetch_program calls
 
     def ensure(self, mount_id: str, runs: list[list[RemoteLayer]], *, bare_runs: tuple[int, ...] = (),
                ahead: bool = False, plain_http_hosts: Collection[str] = (),
@@ -89,6 +91,10 @@ class FakeMounter:
 
     def direct_dir(self, mount_id: str) -> str | None:
         return self.direct.get(mount_id)
+
+    def prefetch_program(self, mount_id: str, program: Mapping[str, Any]) -> bool:
+        self.programs.append((mount_id, dict(program)))
+        return True
 
     def prune_metadata_images(self) -> list[str]:
         self.pruned += 1
@@ -686,3 +692,27 @@ def test_preloads_carry_what_the_spare_needs_to_prefetch_early_only_with_mount_o
     finally:
         be_off.close()
     assert quiet.early == [None] and len(quiet.preloads) == 1
+
+
+def test_a_container_created_over_remote_layers_has_its_program_fetched_by_the_images_mount(
+        registry: RegistryProcess, backend: tuple[RemoteBackend, FakeMounter]) -> None:
+    """containerd names the container's snapshot NAMESPACE/N/KEY to us: the created container's
+    key finds it, and the mount of the image under it is asked for the program; a container over
+    local layers only, another namespace's key or an unknown one asks nothing."""
+    be, mounter = backend
+    blob, _toc = _estargz({"usr/bin/tool": b"\x7fELF tool"})
+    image = push_image(registry.url, "lazy/program", "v1", [blob])
+    (layer,) = image.layers
+    with pytest.raises(AlreadyExists):
+        be.prepare("ns1/3/extract-1", "", _labels(image.ref, layer, "sha256:pg1"))
+    be.prepare("ns1/9/ctr-1", "sha256:pg1", {})
+    be.prepare("ns1/10/local-base", "", {})
+    be.commit("ns1/11/sha256:local", "ns1/10/local-base", {})
+    be.prepare("ns1/12/ctr-2", "ns1/11/sha256:local", {})
+    tool = Program("tool", ("/usr/bin",), "/")
+    assert be.container_created("ns1", "lazy", "ctr-1", tool)
+    assert mounter.programs == [(be.sn.snapshot("sha256:pg1").id, tool.to_doc())]
+    assert not be.container_created("ns1", "lazy", "ctr-2", tool)  # nothing remote under it
+    assert not be.container_created("ns2", "lazy", "ctr-1", tool)
+    assert not be.container_created("ns1", "lazy", "ctr-9", tool)
+    assert len(mounter.programs) == 1
