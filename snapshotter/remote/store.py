@@ -108,12 +108,17 @@ def write_derived_index(index_file: Path, index: LayerIndex, layer_digest: str, 
     if index_file.exists() or not (d / METADATA_FILE).exists() or \
             not isinstance(meta, dict) or meta.get("parse_key") != parse_key:
         return False
+    _write_keys(d, index, layer_digest)
+    _write_atomic(index_file, dump_index(index))
+    return True
+
+
+def _write_keys(d: Path, index: LayerIndex, layer_digest: str) -> None:
+    """The cache-keys file of `index` in layer directory `d` (none when the keys cannot be listed)."""
     try:
         _write_atomic(d / KEYS_FILE, dump_keys(layer_cache_keys(index, layer_digest)))
     except FormatError:
         pass  # the collection finds no keys and loads the index, which says what is wrong
-    _write_atomic(index_file, dump_index(index))
-    return True
 
 
 @dataclass(frozen=True)
@@ -166,10 +171,7 @@ class LayerStore:
         for stale in (KEYS_FILE, METADATA_FILE, PARSE_FILE):  # an earlier resolve's never outlive it
             (d / stale).unlink(missing_ok=True)
         _write_atomic(d / INDEX_FILE, dump_index(index))
-        try:
-            _write_atomic(d / KEYS_FILE, dump_keys(layer_cache_keys(index, meta.layer_digest)))
-        except FormatError:
-            pass  # the collection finds no keys and loads the index, which says what is wrong
+        _write_keys(d, index, meta.layer_digest)
         return self._finish(d, meta)
 
     def save_metadata(self, meta: LayerMeta, parse: MetadataParse, data: bytes) -> Path:
