@@ -14,13 +14,13 @@ which only decode whole). `decompress_chunk` and `decompress_prefix` are the one
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable
 
 import zstandard
 
 from snapshotter.errors import FormatError
 from snapshotter.formats.index import Chunk, Compression
+from snapshotter.formats.inflate import InflateError, Inflater, gzip_inflater
 
 _BLOCK = 1 << 16
 # What the decoders read: a fetch's buffer or a view into it (no copy per chunk of a merged run).
@@ -51,7 +51,7 @@ class StreamDecoder:
         self.produced = 0
         self._emit = emit
         self._max_piece = max(1, max_piece)
-        self._gzip: zlib._Decompress | None = None
+        self._gzip: Inflater | None = None
         self._zstd: zstandard.ZstdDecompressionObj | None = None
         self._zstd_out = bytearray()
         self._lz4 = bytearray()
@@ -104,7 +104,7 @@ class StreamDecoder:
         try:
             while pending and not self.complete:
                 if self._gzip is None:
-                    self._gzip = zlib.decompressobj(wbits=31)
+                    self._gzip = gzip_inflater()
                 d = self._gzip
                 before = len(pending)
                 out = d.decompress(pending, min(self.want - self.produced, self._max_piece))
@@ -118,7 +118,7 @@ class StreamDecoder:
                     self._emit(out)
                 elif not d.eof and (not pending or len(pending) == before):
                     break  # needs more input (or, on hostile input, made no progress)
-        except zlib.error as exc:
+        except InflateError as exc:
             raise FormatError(f"gzip data is corrupt: {exc}") from None
 
     def _feed_zstd(self, data: Buffer) -> None:

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import zlib
 
 from snapshotter.errors import DigestMismatch, FormatError, LimitExceeded
 from snapshotter.formats.estargz_footer import FOOTER_SIZE, MIN_GZIP_MEMBER
 from snapshotter.formats.index import Chunk, Compression, LayerIndex
+from snapshotter.formats.inflate import InflateError, gzip_inflater
 from snapshotter.formats.jtoc import ESTARGZ, PendingEntry, RawEntry, build_entries, decode_toc, read_entries
 from snapshotter.gcpause import gc_paused
 
@@ -50,7 +50,7 @@ class _Inflater:
     """Pulls exact amounts of output from one gzip member, never more than asked for."""
 
     def __init__(self, data: bytes, what: str) -> None:
-        self._d = zlib.decompressobj(wbits=31)
+        self._d = gzip_inflater()
         self._pending = data
         self._what = what
 
@@ -67,7 +67,7 @@ class _Inflater:
                 out += piece
                 if not piece and not self._pending:
                     break
-        except zlib.error as exc:
+        except InflateError as exc:
             raise FormatError(f"{self._what}: gzip data is corrupt: {exc}") from None
         return bytes(out)
 

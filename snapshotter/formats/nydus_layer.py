@@ -8,19 +8,19 @@ from __future__ import annotations
 
 import io
 import tarfile
-import zlib
 
 from snapshotter.errors import FormatError, LimitExceeded
+from snapshotter.formats.inflate import InflateError, gzip_inflater
 
 BOOTSTRAP_NAMES = ("image/image.boot", "./image/image.boot")
 _TAR_OVERHEAD = 1 << 20  # headers, padding and other small members around the bootstrap
 
 
 def _gunzip_bounded(data: bytes, limit: int) -> bytes:
-    d = zlib.decompressobj(wbits=31)
+    d = gzip_inflater()
     try:
         out = d.decompress(data, limit + 1)
-    except zlib.error as exc:
+    except InflateError as exc:
         raise FormatError(f"nydus bootstrap layer: gzip data is corrupt: {exc}") from None
     if len(out) > limit:
         raise LimitExceeded(f"nydus bootstrap layer decompresses to more than {limit} bytes")

@@ -148,3 +148,17 @@ def test_zstd_output_is_handed_on_in_small_pieces_not_held_per_chunk() -> None:
     assert got.hexdigest() == hashlib.sha256(data).hexdigest()
     assert len(sizes) > 4 and max(sizes) <= DEFAULT_PIECE, sizes
     assert peak < 768 << 10, f"peak {peak} bytes while decoding a 1 MiB chunk"
+
+
+def test_gzip_inflater_matches_the_stdlib_and_checks_the_crc() -> None:
+    """formats/inflate.py replaces the stdlib's inflate: same bytes out of multi-member streams,
+    and a member whose CRC-32 trailer is wrong is an error (the TOC parse relies on it)."""
+    from snapshotter.formats.inflate import InflateError, gzip_inflater
+
+    member = gzip.compress(_PLAIN)
+    d = gzip_inflater()
+    assert d.decompress(member + b"next member") == _PLAIN and d.eof and d.unused_data == b"next member"
+    bad = bytearray(member)
+    bad[-8] ^= 0xFF  # the trailer's CRC-32
+    with pytest.raises(InflateError):
+        gzip_inflater().decompress(bytes(bad))
