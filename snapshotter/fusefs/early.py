@@ -99,14 +99,17 @@ def _short_gil_turns() -> Iterator[None]:
 
 class EarlyPrefetch:
     """The early prefetch of one layer (`index`, with its `context`), through a reader of
-    `reader_kinds`. `start()` runs it on a daemon thread; `done` is set once it has ended,
-    however it ended; then `fetched_bytes` and `requests` say what it fetched."""
+    `reader_kinds`. `start()` runs it on a daemon thread; `started` is set once its chunks are
+    claimed in the process's shared flights (reads of them wait for its fetch) or it has ended,
+    `done` once it has ended, however it ended; then `fetched_bytes` and `requests` say what it
+    fetched."""
 
     def __init__(self, index: LayerIndex, context: EarlyContext, reader_kinds: Mapping[str, ReaderFactory]) -> None:
         self.index = index
         self.context = context
         self.reader_kinds = reader_kinds
         self.layer_digest = str(context.reader["layer_digest"])
+        self.started = threading.Event()
         self.done = threading.Event()
         self.fetched_bytes = 0
         self.requests = 0
@@ -132,6 +135,7 @@ class EarlyPrefetch:
             log.info("event=early_prefetch layer=%s status=%s files=%d bytes=%d requests=%d seconds=%.3f",
                      self.layer_digest, status, files, self.fetched_bytes, self.requests, time.monotonic() - began)
         finally:
+            self.started.set()
             self.done.set()
 
     async def _prefetch(self) -> tuple[str, int]:
@@ -158,7 +162,7 @@ class EarlyPrefetch:
             try:
                 with trio.move_on_after(settings.prefetch_timeout):
                     tally = await reader.fetch_chunks(chunks, pin=True, max_gap=PREFETCH_MAX_GAP,
-                                                      max_run_bytes=max_run)
+                                                      max_run_bytes=max_run, on_started=self.started.set)
                     self.fetched_bytes, self.requests = tally.fetched_bytes, tally.requests
                     status = "done"
             finally:

@@ -7,8 +7,9 @@ filesystem is unmounted from outside. SIGUSR1 writes the first-read record.
 
 The state file's format is in fusefs/state.py.
 Ready file (JSON, written atomically): {"pid", "mountpoint", "inodes", "file_bytes", "prefetch"},
-written when every layer's landmark prefetch has ended or prefetch_timeout has passed, whichever
-is first ("prefetch": "done" or "timeout"); the mount serves reads before that.
+written when every layer's landmark prefetch is in flight (with [prefetch] wait: has ended) or
+prefetch_timeout has passed, whichever is first ("prefetch": "in_flight", "done" or "timeout";
+fusefs/prefetch.py); the mount serves reads before that.
 Record file (JSON, written atomically on SIGUSR1 and at exit): {"files": [{"path", "layer",
 "name"}, ...]} in first-read order (`ops.ReadRecorder`).
 Exit status: 0 after a clean stop or an external unmount; 2 for a bad state file or index;
@@ -255,14 +256,22 @@ async def _prefetch_after(prefetcher: Prefetcher, early: Sequence[EarlyPrefetch]
     names = {st.layer for st in prefetcher.layers}
     client = env.shared.get("registry_client")
     deadline = trio.current_time() + prefetcher.settings.prefetch_timeout
-    for e in early:
-        if e.layer_digest not in names:
-            continue
+
+    async def note_in_flight(e: EarlyPrefetch) -> None:
         left = max(0.0, deadline - trio.current_time())
-        if await trio.to_thread.run_sync(e.wait, left, abandon_on_cancel=True):
-            prefetcher.credit(e.layer_digest, e.fetched_bytes, e.requests)
-            if client is not None:
-                client.stats.add(e.registry_stats)
+        if await trio.to_thread.run_sync(e.started.wait, left, abandon_on_cancel=True):
+            prefetcher.note_in_flight(e.layer_digest)
+
+    ours = [e for e in early if e.layer_digest in names]
+    async with trio.open_nursery() as nursery:
+        for e in ours:
+            nursery.start_soon(note_in_flight, e)
+        for e in ours:
+            left = max(0.0, deadline - trio.current_time())
+            if await trio.to_thread.run_sync(e.wait, left, abandon_on_cancel=True):
+                prefetcher.credit(e.layer_digest, e.fetched_bytes, e.requests)
+                if client is not None:
+                    client.stats.add(e.registry_stats)
     await prefetcher.run()
 
 
@@ -291,24 +300,29 @@ async def _read_ahead_after_init(state: MountState) -> None:
 
 
 async def _ready_after_prefetch(state: MountState, tree: MountTree, prefetcher: Prefetcher) -> None:
-    """Write the ready file once the prefetch of every layer with a prefetch list ended or
-    prefetch_timeout passed, whichever is first (the mount serves reads meanwhile; prefetch,
-    start-up files included, goes on after). Not after the read-ahead is set: the mount exists
-    (the kernel holds requests until our INIT reply), and that wait for a round trip through the
-    mount cost a container's start 15 ms at +50 ms per registry round trip, with the early
-    prefetch's responses being stored meanwhile; a read in that window gets the kernel's window."""
-    timeout = prefetcher.settings.prefetch_timeout
+    """Write the ready file once the prefetch of every layer with a prefetch list is in flight
+    (with [prefetch] wait: has ended) or prefetch_timeout passed, whichever is first (the mount
+    serves reads meanwhile; prefetch, start-up files included, goes on after). Not after the
+    read-ahead is set: the mount exists (the kernel holds requests until our INIT reply), and
+    that wait for a round trip through the mount cost a container's start 15 ms at +50 ms per
+    registry round trip, with the early prefetch's responses being stored meanwhile; a read in
+    that window gets the kernel's window."""
+    settings = prefetcher.settings
+    timeout = settings.prefetch_timeout
     began = trio.current_time()
+    awaited = prefetcher.listed_prefetched if settings.wait else prefetcher.listed_in_flight
     with trio.move_on_after(timeout):
-        await prefetcher.listed_prefetched.wait()
+        await awaited.wait()
     summary = prefetcher.summary()
-    log.info("event=ready prefetch=%s waited=%.3f timeout=%.1f prefetch_bytes=%d prefetch_requests=%d",
-             "done" if summary["listed_prefetch_done"] else "timeout", trio.current_time() - began, timeout,
+    # "done": fetched; "in_flight": being fetched (reads wait for it); "timeout": neither in time.
+    status = "done" if summary["listed_prefetch_done"] else "in_flight" if awaited.is_set() else "timeout"
+    log.info("event=ready prefetch=%s wait=%s waited=%.3f timeout=%.1f prefetch_bytes=%d prefetch_requests=%d",
+             status, "done" if settings.wait else "in_flight", trio.current_time() - began, timeout,
              summary["prefetch_bytes"], summary["prefetch_requests"])
     if state.ready_file:
         _write_atomic(state.ready_file, json.dumps({
             "pid": os.getpid(), "mountpoint": state.mountpoint, "inodes": len(tree),
-            "file_bytes": tree.file_bytes, "prefetch": "done" if summary["listed_prefetch_done"] else "timeout",
+            "file_bytes": tree.file_bytes, "prefetch": status,
         }).encode())
 
 

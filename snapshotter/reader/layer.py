@@ -43,7 +43,7 @@ import contextvars
 import logging
 import math
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 
@@ -214,6 +214,13 @@ class _Job:
     fetched_bytes: int = 0
     skipped: int = 0
     shared: bool = False  # its chunks are claimed in the process's shared table (see _lead)
+    on_started: Callable[[], None] | None = None  # told once every chunk is claimed (see fetch_chunks)
+
+    def started(self) -> None:
+        """Tell `on_started`, once."""
+        notify, self.on_started = self.on_started, None
+        if notify is not None:
+            notify()
 
 
 @dataclass
@@ -344,6 +351,7 @@ class LayerReader:
         max_gap: int = 0,
         max_run_bytes: int = 0,
         background: bool = False,
+        on_started: Callable[[], None] | None = None,
     ) -> FetchTally:
         """Fetch into the cache those of `chunks` that are neither cached nor being fetched.
 
@@ -354,7 +362,27 @@ class LayerReader:
         pin=True pins the chunks first (see `prefetch`). background=True never waits for the
         byte budget (a run that does not fit is skipped) and counts failures instead of raising;
         otherwise the first chunk error propagates.
+        on_started (on this event loop, once, also when the call fails or has nothing to fetch):
+        every one of `chunks` is cached or claimed by now, so a read of one from here on waits
+        for its fetch in flight (this process's, whatever the event loop) rather than fetching it.
         """
+        told = on_started is None
+
+        def started() -> None:
+            nonlocal told
+            if not told:
+                told = True
+                assert on_started is not None
+                on_started()
+
+        try:
+            return await self._fetch_chunks(chunks, pin=pin, max_gap=max_gap, max_run_bytes=max_run_bytes,
+                                            background=background, on_started=started)
+        finally:
+            started()
+
+    async def _fetch_chunks(self, chunks: Sequence[Chunk], *, pin: bool, max_gap: int, max_run_bytes: int,
+                            background: bool, on_started: Callable[[], None]) -> FetchTally:
         tally = FetchTally()
         cache = self.cache
         if cache is None or not chunks:
@@ -365,7 +393,7 @@ class LayerReader:
         token = _CAUSE.set("background" if background else "prefetch")
         try:
             job = await self._ensure_cached(list(by_key.values()), background=background, max_gap=max_gap,
-                                            max_run_bytes=max_run_bytes)
+                                            max_run_bytes=max_run_bytes, on_started=on_started)
         finally:
             _CAUSE.reset(token)
         tally.requests, tally.fetched_bytes, tally.skipped = job.requests, job.fetched_bytes, job.skipped
@@ -552,6 +580,7 @@ class LayerReader:
                 assert self._shared is not None
                 job.shared = True
                 foreign = self._shared.claim(self._scope, job.chunks, self)
+            job.started()  # every chunk is claimed now: by this job (its flights, the shared claim) or another loop
             # Re-check the cache: a fetch of these chunks may have completed (and left the
             # in-flight table) while our caller was looking them up.
             cache = self.cache
@@ -1004,9 +1033,10 @@ class LayerReader:
             self._readahead_tasks -= 1
 
     async def _ensure_cached(self, chunks: Sequence[Chunk], *, background: bool, max_gap: int = 0,
-                             max_run_bytes: int = 0) -> _Job:
-        """Fetch into the cache the chunks that are neither cached nor being fetched."""
-        job = _Job(max_gap=max_gap, max_run_bytes=max_run_bytes)
+                             max_run_bytes: int = 0, on_started: Callable[[], None] | None = None) -> _Job:
+        """Fetch into the cache the chunks that are neither cached nor being fetched
+        (`on_started`: see fetch_chunks)."""
+        job = _Job(max_gap=max_gap, max_run_bytes=max_run_bytes, on_started=on_started)
         cache = self.cache
         if cache is None or not chunks:
             return job

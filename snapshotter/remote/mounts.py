@@ -137,7 +137,7 @@ def lazy_unmount(path: Path) -> None:
 
 
 def _prefetch_outcome(ready_file: Path) -> str:
-    """"done" or "timeout" as the mount process's ready file says; "not_ready" without one."""
+    """"in_flight", "done" or "timeout" as the mount process's ready file says; "not_ready" without one."""
     try:
         return str(json.loads(ready_file.read_text()).get("prefetch", "unknown"))
     except (OSError, ValueError, AttributeError):

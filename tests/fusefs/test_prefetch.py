@@ -318,7 +318,7 @@ def test_background_stops_with_the_mount(tmp_path: Path) -> None:
     assert 1 <= len(source.calls) < 5  # paced at 100 kB/s: started, and cut short
 
 
-def test_ready_file_waits_for_prefetch_at_most_the_timeout(tmp_path: Path) -> None:
+def test_with_wait_the_ready_file_waits_for_prefetch_at_most_the_timeout(tmp_path: Path) -> None:
     from snapshotter.fusefs.process import _ready_after_prefetch
 
     blob, index, _files = _layer(tmp_path, PREFETCH)
@@ -336,7 +336,7 @@ def test_ready_file_waits_for_prefetch_at_most_the_timeout(tmp_path: Path) -> No
                                         "runs": [[{"index": "i", "reader": {"kind": "file"}}]]}).encode())
         async with open_layer_reader(source, blobs=list(index.blobs), cache=cache) as reader:
             p = Prefetcher(build_tree([[index]]), [reader], ["sha256:layer"],
-                           PrefetchSettings(prefetch_timeout=0.3, background=False))
+                           PrefetchSettings(prefetch_timeout=0.3, background=False, wait=True))
             start = trio.current_time()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(p.run)
@@ -348,6 +348,51 @@ def test_ready_file_waits_for_prefetch_at_most_the_timeout(tmp_path: Path) -> No
 
     written, prefetched = trio.run(main)
     assert 0.25 <= written < 0.8 and prefetched >= 1.0
+    assert PrefetchSettings.from_doc({"config": {"prefetch": {"wait": True}}}).wait is True
+    assert PrefetchSettings.from_doc({"config": {}}).wait is False
+
+
+def test_ready_file_comes_once_the_prefetch_is_in_flight_and_reads_join_it(tmp_path: Path) -> None:
+    """The default: container start waits for the prefetch list's fetch to be under way, not to
+    end; a read of a listed file then waits for that fetch and makes no request of its own."""
+    from snapshotter.fusefs.process import _ready_after_prefetch
+
+    blob, index, files = _layer(tmp_path, PREFETCH)
+    ready = tmp_path / "ready"
+
+    class SlowSource(CountingSource):
+        async def read_range(self, blob: int, offset: int, length: int) -> bytes:
+            await trio.sleep(0.6)
+            return await super().read_range(blob, offset, length)
+
+    async def main() -> tuple[float, bool, int, int, bytes]:
+        source = SlowSource(FileRangeSource([blob]))
+        cache = ChunkCache(tmp_path / "cache", 64 << 20)
+        state = parse_state(json.dumps({"mountpoint": str(tmp_path), "ready_file": str(ready),
+                                        "runs": [[{"index": "i", "reader": {"kind": "file"}}]]}).encode())
+        async with open_layer_reader(source, blobs=list(index.blobs), cache=cache) as reader:
+            tree = build_tree([[index]])
+            p = Prefetcher(tree, [reader], ["sha256:layer"], PrefetchSettings(prefetch_timeout=5, background=False))
+            start = trio.current_time()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(p.run)
+                with trio.fail_after(5):
+                    await _ready_after_prefetch(state, tree, p)
+                written = trio.current_time() - start
+                still_fetching = not p.listed_prefetched.is_set()
+                (tracked,) = p.tracked([reader])
+                entry = index["lib/big"]  # the last of the list: its bytes come at the end of the fetch
+                with trio.fail_after(5):
+                    data = await tracked.read(entry, 0, entry.size)
+                    await p.prefetched.wait()
+                at_prefetch_end = len(source.calls)
+            return written, still_fetching, at_prefetch_end, len(source.calls), data
+
+    written, still_fetching, at_prefetch_end, calls, data = trio.run(main)
+    assert json.loads(ready.read_text())["prefetch"] == "in_flight"
+    assert written < 0.5 and still_fetching, "the ready file came before the prefetch's fetch ended"
+    assert data == files["lib/big"]
+    assert calls >= 1 and calls == at_prefetch_end, "the read was served by the prefetch's requests"
 
 
 def _startup_layer(tmp: Path) -> tuple[Path, LayerIndex, dict[str, bytes]]:

@@ -196,7 +196,9 @@ def test_recorded_profile_makes_start_up_one_request_per_layer(lab: Lab, app_ima
     assert {p["layer"] for p in prefetches} == set(digests)
     assert all(p["status"] == "done" and p["requests"] == "1" for p in prefetches), mount_log
     ready = events(mount_log, "ready")
-    assert ready and ready[0]["prefetch"] == "done"  # the container started after the prefetch
+    # The container started once the prefetch was in flight (or done, had it ended by then): its
+    # reads joined the prefetch's fetches, as the request counts below show.
+    assert ready and ready[0]["prefetch"] in ("in_flight", "done"), ready
     # At most one request per layer during start-up, all of them the prefetch: every file the
     # command read came from the cache.
     assert len(during_run) <= len(digests), during_run
