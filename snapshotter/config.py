@@ -64,8 +64,9 @@ class PrefetchConfig:
         "doc": "seconds without filesystem requests (any kind) before the background fetch starts or resumes"})
     startup_files: bool = field(default=True, metadata={
         "doc": "when an image's mount starts, also prefetch the files nearly every container start reads: "
-               "/etc/passwd and /etc/group (runc), the dynamic loader, /etc/ld.so.cache and libc.so.6; the container's "
-               "start does not wait for them even with prefetch.wait (its reads wait for the fetch in flight); with `mount_on_pull` the spare starts them, and each layer's prefetch list, as soon as it "
+               "/etc/passwd and /etc/group (runc), the dynamic loader, /etc/ld.so.cache and libc.so.6; the "
+               "container's start does not wait for them even with prefetch.wait (its reads wait for the fetch in "
+               "flight); with `mount_on_pull` the spare starts them, and each layer's prefetch list, as soon as it "
                "has parsed the layer during the pull"})
     wait: bool = field(default=False, metadata={
         "doc": "container start waits for each layer's prefetch list (landmark, Nydus prefetch table) to be "

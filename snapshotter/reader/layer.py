@@ -526,8 +526,9 @@ class LayerReader:
 
     async def _neighbours(self, missing: dict[str, Chunk]) -> dict[str, Chunk]:
         """Read amplification: for an on-demand miss, the chunks stored right after the last
-        missing one (`BlobOrder.following`), up to the first that is cached or being fetched,
-        so that they come in the same request. The window: nothing for the first
+        missing one (`BlobOrder.following`), up to the first that is cached or being fetched
+        (by this loop or, in the process's shared flights, another: the read would wait for
+        that fetch to reach its neighbours), so that they come in the same request. The window: nothing for the first
         AMPLIFY_FREE_MISSES misses of a burst, then AMPLIFY_FIRST_BYTES doubling with each
         miss up to `amplify_bytes`."""
         cfg = self.config
@@ -541,9 +542,10 @@ class LayerReader:
         window = min(cfg.amplify_bytes, AMPLIFY_FIRST_BYTES << min(self._burst - AMPLIFY_FREE_MISSES - 1, 20))
         last = max(missing.values(), key=lambda c: (c.blob_index, c.blob_offset))
         candidates: dict[str, Chunk] = {}
+        shared = self._shared
         for c in self._order.following(last, max_bytes=window, max_gap=AMPLIFY_MAX_GAP):
             key = self.key_for(c)
-            if key in self._flights:
+            if key in self._flights or (shared is not None and shared.held(self._scope, key)):
                 break
             if key not in missing:
                 candidates[key] = c

@@ -807,6 +807,36 @@ def test_amplification_stops_at_a_cached_chunk(tmp_path: Path) -> None:
 
 
 
+def test_amplification_stops_at_a_chunk_another_loop_is_fetching(tmp_path: Path) -> None:
+    """A chunk claimed in the shared flights (the spare's early prefetch has it in flight) ends
+    the window as a cached one does: the read must not wait for that fetch to reach it."""
+    from snapshotter.reader.shared_flights import SharedFlights
+
+    blob = _small_files_blob(tmp_path, count=AMPLIFY_FREE_MISSES + 12)
+    names = sorted(blob.entries, key=lambda n: blob.entries[n].chunks[0].blob_offset)
+    cache = ChunkCache(tmp_path / "cache", 1 << 30)
+    claimed = blob.entries[names[AMPLIFY_FREE_MISSES + 3]].chunks[0]
+    flights = SharedFlights()
+    flights.claim(str(cache.root), [chunk_key(claimed, [LAYER])], object())  # another loop's, never released
+    source = CountingSource([blob.path])
+    config = ReaderConfig(amplify_bytes=1 << 20, readahead_bytes=0, fetch_timeout=3)
+
+    async def main() -> list[int]:
+        after = []
+        reader = LayerReader(source, blobs=[LAYER], cache=cache, config=config, order=BlobOrder(blob.entries.values()),
+                             shared=flights)
+        with trio.fail_after(10):
+            for name in names[:AMPLIFY_FREE_MISSES + 3]:  # up to the file before the claimed one
+                assert await reader.read(blob.entries[name], 0, 1 << 20) == blob.contents[name]
+                after.append(len(source.calls))
+        return after
+
+    requests = trio.run(main)
+    amplified = AMPLIFY_FREE_MISSES
+    assert requests[amplified] == requests[amplified + 2] == amplified + 1  # its two neighbours came along
+    assert source.fetches_per_chunk([claimed])[claimed.blob_offset] == 0  # the claimed one did not
+
+
 @pytest.mark.parametrize(("verify", "thread_reads"), [(False, 1), (True, 5)])
 def test_reads_of_page_cached_chunks_are_served_inline(blob: BuiltBlob, tmp_path: Path, verify: bool,
                                                        thread_reads: int) -> None:
