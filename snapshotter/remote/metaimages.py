@@ -45,17 +45,26 @@ META_DIR = "meta"  # where a mount's metadata image is mounted: ROOT/mounts/<id>
 
 
 def key_of(state: Mapping[str, Any]) -> str:
-    """The metadata image key of a mount state document (remote/mounts.py writes it)."""
+    """The metadata image key of a mount state document (remote/mounts.py writes it). A layer
+    counts by its parse key when it has one (the stored metadata bytes and the parse the tree
+    came from), else by its index file's size and mtime: the index file of a layer stored as
+    metadata bytes appears later (the first mount's quiet-time child writes it, then the image),
+    and a key that followed it named every mount after the first an image nobody had written."""
     runs = []
     for run in state.get("runs", []):
         layers = []
         for layer in run:
             index = str(layer["index"])
-            try:
-                st = os.stat(index)
-                stamp = [st.st_size, st.st_mtime_ns]
-            except OSError:
-                stamp = []
+            parse_key = layer.get("parse_key")
+            stamp: list[Any]
+            if isinstance(parse_key, str) and parse_key:
+                stamp = ["parse", parse_key]
+            else:
+                try:
+                    st = os.stat(index)
+                    stamp = [st.st_size, st.st_mtime_ns]
+                except OSError:
+                    stamp = []
             layers.append([layer.get("layer_digest", ""), index, stamp])
         runs.append(layers)
     doc = {"version": FORMAT_VERSION, "runs": runs, "bare_runs": list(state.get("bare_runs", [])),

@@ -36,6 +36,20 @@ def test_key_follows_what_the_tree_is_made_of(tmp_path: Path) -> None:
     assert key != key_of(doc)
 
 
+def test_key_of_a_layer_with_a_parse_key_does_not_change_when_its_index_file_appears(tmp_path: Path) -> None:
+    """A layer stored as metadata bytes gets its index file from the first mount's quiet-time
+    child, just before that child writes the image: the next mount must find that image."""
+    _path, doc = _state(tmp_path)
+    (tmp_path / "index.bin").unlink()
+    layer = doc["runs"][0][0]
+    layer["parse_key"] = "estargz:toc-sha256:" + "b" * 64
+    before = key_of(doc)
+    (tmp_path / "index.bin").write_bytes(b"the derived index")
+    assert key_of(doc) == before
+    layer["parse_key"] = "estargz:toc-sha256:" + "c" * 64  # the layer was resolved again: other metadata
+    assert key_of(doc) != before
+
+
 def test_attach_detach_prune(tmp_path: Path) -> None:
     state, doc = _state(tmp_path)
     images = MetaImages(tmp_path / "root", enabled=True)
