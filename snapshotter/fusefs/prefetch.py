@@ -274,8 +274,9 @@ class Prefetcher:
         self._publish()
 
     def note_in_flight(self, name: str) -> None:
-        """Layer `name`'s prefetch list is being fetched by someone else in this process (the
-        spare's early prefetch, fusefs/early.py): its chunks are claimed, reads of them wait."""
+        """Layer `name`'s prefetch list is in flight in this process (this prefetcher's fetch of
+        it, or the spare's early prefetch, fusefs/early.py): its chunks are claimed, reads of
+        them wait for that fetch."""
         self._listed_unstarted.discard(name)
         if not self._listed_unstarted:
             self.listed_in_flight.set()

@@ -216,12 +216,6 @@ class _Job:
     shared: bool = False  # its chunks are claimed in the process's shared table (see _lead)
     on_started: Callable[[], None] | None = None  # told once every chunk is claimed (see fetch_chunks)
 
-    def started(self) -> None:
-        """Tell `on_started`, once."""
-        notify, self.on_started = self.on_started, None
-        if notify is not None:
-            notify()
-
 
 @dataclass
 class FetchTally:
@@ -528,8 +522,8 @@ class LayerReader:
         """Read amplification: for an on-demand miss, the chunks stored right after the last
         missing one (`BlobOrder.following`), up to the first that is cached or being fetched
         (by this loop or, in the process's shared flights, another: the read would wait for
-        that fetch to reach its neighbours), so that they come in the same request. The window: nothing for the first
-        AMPLIFY_FREE_MISSES misses of a burst, then AMPLIFY_FIRST_BYTES doubling with each
+        that fetch to reach its neighbours), so that they come in the same request. The window:
+        nothing for the first AMPLIFY_FREE_MISSES misses of a burst, then AMPLIFY_FIRST_BYTES doubling with each
         miss up to `amplify_bytes`."""
         cfg = self.config
         if self._order is None or self.cache is None or cfg.amplify_bytes <= 0 or _CAUSE.get() != "on_demand":
@@ -582,7 +576,8 @@ class LayerReader:
                 assert self._shared is not None
                 job.shared = True
                 foreign = self._shared.claim(self._scope, job.chunks, self)
-            job.started()  # every chunk is claimed now: by this job (its flights, the shared claim) or another loop
+            if job.on_started is not None:  # every chunk is claimed now: by this job or another loop
+                job.on_started()
             # Re-check the cache: a fetch of these chunks may have completed (and left the
             # in-flight table) while our caller was looking them up.
             cache = self.cache

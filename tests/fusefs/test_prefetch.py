@@ -352,23 +352,37 @@ def test_with_wait_the_ready_file_waits_for_prefetch_at_most_the_timeout(tmp_pat
     assert PrefetchSettings.from_doc({"config": {}}).wait is False
 
 
-def test_ready_file_comes_once_the_prefetch_is_in_flight_and_reads_join_it(tmp_path: Path) -> None:
-    """The default: container start waits for the prefetch list's fetch to be under way, not to
-    end; a read of a listed file then waits for that fetch and makes no request of its own."""
+@dataclass
+class ReadyThenRead:
+    """What `_ready_then_read` saw: seconds until the ready file, whether the prefetch lists'
+    fetch (`listed_fetching`) and the whole prefetch (`fetching`) were still running then, the
+    source's requests when the prefetch ended and at the end, the bytes read, the ready file."""
+
+    written: float
+    listed_fetching: bool
+    fetching: bool
+    at_prefetch_end: int
+    calls: int
+    data: bytes
+    ready: dict[str, object]
+
+
+def _ready_then_read(tmp: Path, blob: Path, index: LayerIndex, name: str, delay: float) -> ReadyThenRead:
+    """Prefetch the layer through a source answering each range after `delay` seconds, wait for
+    the ready file (`_ready_after_prefetch`, default settings), then read file `name` whole."""
     from snapshotter.fusefs.process import _ready_after_prefetch
 
-    blob, index, files = _layer(tmp_path, PREFETCH)
-    ready = tmp_path / "ready"
+    ready = tmp / "ready"
 
     class SlowSource(CountingSource):
         async def read_range(self, blob: int, offset: int, length: int) -> bytes:
-            await trio.sleep(0.6)
+            await trio.sleep(delay)
             return await super().read_range(blob, offset, length)
 
-    async def main() -> tuple[float, bool, int, int, bytes]:
+    async def main() -> ReadyThenRead:
         source = SlowSource(FileRangeSource([blob]))
-        cache = ChunkCache(tmp_path / "cache", 64 << 20)
-        state = parse_state(json.dumps({"mountpoint": str(tmp_path), "ready_file": str(ready),
+        cache = ChunkCache(tmp / "cache", 64 << 20)
+        state = parse_state(json.dumps({"mountpoint": str(tmp), "ready_file": str(ready),
                                         "runs": [[{"index": "i", "reader": {"kind": "file"}}]]}).encode())
         async with open_layer_reader(source, blobs=list(index.blobs), cache=cache) as reader:
             tree = build_tree([[index]])
@@ -379,20 +393,29 @@ def test_ready_file_comes_once_the_prefetch_is_in_flight_and_reads_join_it(tmp_p
                 with trio.fail_after(5):
                     await _ready_after_prefetch(state, tree, p)
                 written = trio.current_time() - start
-                still_fetching = not p.listed_prefetched.is_set()
+                listed_fetching, fetching = not p.listed_prefetched.is_set(), not p.prefetched.is_set()
                 (tracked,) = p.tracked([reader])
-                entry = index["lib/big"]  # the last of the list: its bytes come at the end of the fetch
+                entry = index[name]
                 with trio.fail_after(5):
-                    data = await tracked.read(entry, 0, entry.size)
+                    data = await tracked.read(entry, 0, entry.size)  # waits for the prefetch's fetch
                     await p.prefetched.wait()
                 at_prefetch_end = len(source.calls)
-            return written, still_fetching, at_prefetch_end, len(source.calls), data
+            return ReadyThenRead(written, listed_fetching, fetching, at_prefetch_end, len(source.calls), data,
+                                 json.loads(ready.read_text()))
 
-    written, still_fetching, at_prefetch_end, calls, data = trio.run(main)
-    assert json.loads(ready.read_text())["prefetch"] == "in_flight"
-    assert written < 0.5 and still_fetching, "the ready file came before the prefetch's fetch ended"
-    assert data == files["lib/big"]
-    assert calls >= 1 and calls == at_prefetch_end, "the read was served by the prefetch's requests"
+    return trio.run(main)
+
+
+def test_ready_file_comes_once_the_prefetch_is_in_flight_and_reads_join_it(tmp_path: Path) -> None:
+    """The default: container start waits for the prefetch list's fetch to be under way, not to
+    end; a read of a listed file then waits for that fetch and makes no request of its own."""
+    blob, index, files = _layer(tmp_path, PREFETCH)
+    # lib/big is the last of the list: its bytes come at the end of the fetch.
+    got = _ready_then_read(tmp_path, blob, index, "lib/big", 0.6)
+    assert got.ready["prefetch"] == "in_flight"
+    assert got.written < 0.5 and got.listed_fetching, "the ready file came before the prefetch's fetch ended"
+    assert got.data == files["lib/big"]
+    assert got.calls >= 1 and got.calls == got.at_prefetch_end, "the read was served by the prefetch's requests"
 
 
 def _startup_layer(tmp: Path) -> tuple[Path, LayerIndex, dict[str, bytes]]:
@@ -470,41 +493,9 @@ def test_startup_files_off_leaves_a_no_prefetch_layer_alone(tmp_path: Path) -> N
 
 
 def test_ready_does_not_wait_for_start_up_files_but_their_reads_join_the_fetch(tmp_path: Path) -> None:
-    from snapshotter.fusefs.process import _ready_after_prefetch
-
     blob, index, files = _startup_layer(tmp_path)
-    ready = tmp_path / "ready"
-
-    class SlowSource(CountingSource):
-        async def read_range(self, blob: int, offset: int, length: int) -> bytes:
-            await trio.sleep(0.5)
-            return await super().read_range(blob, offset, length)
-
-    async def main() -> tuple[float, bool, int, int, bytes]:
-        source = SlowSource(FileRangeSource([blob]))
-        cache = ChunkCache(tmp_path / "cache", 64 << 20)
-        state = parse_state(json.dumps({"mountpoint": str(tmp_path), "ready_file": str(ready),
-                                        "runs": [[{"index": "i", "reader": {"kind": "file"}}]]}).encode())
-        async with open_layer_reader(source, blobs=list(index.blobs), cache=cache) as reader:
-            tree = build_tree([[index]])
-            p = Prefetcher(tree, [reader], ["sha256:layer"], PrefetchSettings(prefetch_timeout=5, background=False))
-            start = trio.current_time()
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(p.run)
-                with trio.fail_after(5):
-                    await _ready_after_prefetch(state, tree, p)
-                written = trio.current_time() - start
-                still_fetching = not p.prefetched.is_set()
-                (tracked,) = p.tracked([reader])
-                libc = index["lib/x86_64-linux-gnu/libc.so.6"]
-                with trio.fail_after(5):
-                    data = await tracked.read(libc, 0, libc.size)  # waits for the prefetch's fetch
-                    await p.prefetched.wait()
-                at_prefetch_end = len(source.calls)
-            return written, still_fetching, at_prefetch_end, len(source.calls), data
-
-    written, still_fetching, at_prefetch_end, calls, data = trio.run(main)
-    assert json.loads(ready.read_text())["prefetch"] == "done"
-    assert written < 0.4 and still_fetching, "the ready file came before the start-up files' fetch ended"
-    assert data == files["lib/x86_64-linux-gnu/libc.so.6"]
-    assert 1 <= calls <= 2 and calls == at_prefetch_end, "the read was served by the prefetch's requests"
+    got = _ready_then_read(tmp_path, blob, index, "lib/x86_64-linux-gnu/libc.so.6", 0.5)
+    assert got.ready["prefetch"] == "done"
+    assert got.written < 0.4 and got.fetching, "the ready file came before the start-up files' fetch ended"
+    assert got.data == files["lib/x86_64-linux-gnu/libc.so.6"]
+    assert 1 <= got.calls <= 2 and got.calls == got.at_prefetch_end, "the read was served by the prefetch's requests"
