@@ -72,7 +72,7 @@ class StreamDecoder:
         else:
             self._give(bytes(memoryview(data)[:self.want - self.produced]))
         if self.complete:
-            # The decompressor (zlib's state and 32 KiB window) goes now, not with this object:
+            # The decompressor (its state and 32 KiB window) goes now, not with this object:
             # a run's decoders live until its last chunk is in.
             self._gzip = self._zstd = None
 
@@ -102,21 +102,21 @@ class StreamDecoder:
     def _feed_gzip(self, data: Buffer) -> None:
         pending: Buffer = data
         try:
-            while pending and not self.complete:
+            while not self.complete:
                 if self._gzip is None:
+                    if not pending:
+                        break
                     self._gzip = gzip_inflater()
                 d = self._gzip
-                before = len(pending)
                 out = d.decompress(pending, min(self.want - self.produced, self._max_piece))
+                pending = b""  # the decompressor holds what it did not use yet
                 if d.eof:
                     pending = d.unused_data  # the next member starts there
                     self._gzip = None
-                else:
-                    pending = d.unconsumed_tail  # output was capped; the rest of the input waits
                 if out:
                     self.produced += len(out)
                     self._emit(out)
-                elif not d.eof and (not pending or len(pending) == before):
+                if not d.eof and (d.needs_input or not out):
                     break  # needs more input (or, on hostile input, made no progress)
         except InflateError as exc:
             raise FormatError(f"gzip data is corrupt: {exc}") from None

@@ -55,18 +55,20 @@ class _Inflater:
         self._what = what
 
     def read(self, n: int) -> bytes:
+        d = self._d
+        if n <= 0 or d.eof:
+            return b""
         try:
-            first = self._d.decompress(self._pending, n) if n > 0 and not self._d.eof else b""
-            self._pending = self._d.unconsumed_tail
-            if len(first) >= n or self._d.eof or not self._pending:
+            first = d.decompress(self._pending, n)
+            self._pending = b""  # the decompressor holds what it did not use yet
+            if len(first) >= n or d.eof or d.needs_input:
                 return first  # one call gave it all (the TOC JSON, usually): no second copy of it
             out = bytearray(first)
-            while len(out) < n and not self._d.eof:
-                piece = self._d.decompress(self._pending, n - len(out))
-                self._pending = self._d.unconsumed_tail
-                out += piece
-                if not piece and not self._pending:
+            while len(out) < n and not d.eof and not d.needs_input:
+                piece = d.decompress(b"", n - len(out))
+                if not piece:
                     break
+                out += piece
         except InflateError as exc:
             raise FormatError(f"{self._what}: gzip data is corrupt: {exc}") from None
         return bytes(out)

@@ -152,12 +152,22 @@ def test_zstd_output_is_handed_on_in_small_pieces_not_held_per_chunk() -> None:
 
 def test_gzip_inflater_matches_the_stdlib_and_checks_the_crc() -> None:
     """formats/inflate.py replaces the stdlib's inflate: same bytes out of multi-member streams,
-    and a member whose CRC-32 trailer is wrong is an error (the TOC parse relies on it)."""
+    capped output resumes from the input the decompressor holds, and a member whose CRC-32
+    trailer is wrong is an error (the TOC parse relies on it)."""
     from snapshotter.formats.inflate import InflateError, gzip_inflater
 
     member = gzip.compress(_PLAIN)
     d = gzip_inflater()
     assert d.decompress(member + b"next member") == _PLAIN and d.eof and d.unused_data == b"next member"
+    # Output capped at max_length: the decompressor keeps the input it has not used yet and
+    # says so (needs_input False); b"" takes the rest out (the contract codec.py relies on).
+    d = gzip_inflater()
+    first = d.decompress(member, 1000)
+    assert len(first) == 1000 and not d.needs_input and not d.eof
+    rest = d.decompress(b"", len(_PLAIN))
+    assert first + rest == _PLAIN and d.eof
+    with pytest.raises(EOFError):
+        d.decompress(b"more")
     bad = bytearray(member)
     bad[-8] ^= 0xFF  # the trailer's CRC-32
     with pytest.raises(InflateError):
