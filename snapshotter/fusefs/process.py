@@ -66,7 +66,7 @@ from snapshotter.fusefs.stats import run_stats_writer
 from snapshotter.fusefs.tree import MountTree
 from snapshotter.gcpause import gc_paused
 from snapshotter.mountinfo import mount_device
-from snapshotter.remote.store import METADATA_FILE, write_derived_index
+from snapshotter.remote.store import METADATA_FILE, write_derived_index, write_derived_keys
 
 if TYPE_CHECKING:
     from snapshotter.fusefs.early import EarlyPrefetch  # imports this module
@@ -421,8 +421,9 @@ class MetaWriter:
     """Writes what the mount keeps of its tree for later once, from a forked child, when the
     mount has been quiet for META_QUIET seconds, or when it stops if it never was: never while a
     container is starting on it. That is the index of each layer the daemon stored as metadata
-    bytes only (remote/store.py `write_derived_index`: later mounts and the daemon's collection
-    then load it instead of parsing the bytes), then the metadata image (state "meta_image": its
+    bytes only (remote/store.py `write_derived_index`: later mounts then load it instead of
+    parsing the bytes; its cache keys, which the daemon's collection reads, are written before the
+    fork, by this process: `write_derived_keys`), then the metadata image (state "meta_image": its
     path; metamount.fork_writer), which the daemon mounts next to this mount when it appears
     (remote/metaimages.py)."""
 
@@ -449,6 +450,9 @@ class MetaWriter:
         from snapshotter.fusefs.metamount import fork_writer
 
         derived = self.derived_indexes()
+        for index_file, index, digest, key in derived:  # the keys here, before this process can exit
+            with suppress(OSError, SnapshotterError):
+                write_derived_keys(index_file, index, digest, key)
 
         def write_indexes() -> None:  # in the child: no logging (another thread may hold its lock)
             for index_file, index, digest, key in derived:

@@ -6,6 +6,8 @@ import gzip
 import hashlib
 import io
 import json
+import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import trio
 
 from snapshotter.errors import ConfigError, DigestMismatch, FetchError
 from snapshotter.formats.index import Chunk, Compression, Entry, EntryType
+from snapshotter.formats.metadata_parse import parse_metadata
 from snapshotter.fusefs.process import FileBlobReader, await_assignment, parse_state
 
 GOOD: dict[str, Any] = {
@@ -99,3 +102,34 @@ def test_spare_assignment_end_of_input_and_garbage() -> None:
     for bad in (b"not json\n", b'{"log": "/x"}\n', b"[1]\n"):
         with pytest.raises(ConfigError, match="spare mount process: bad assignment"):
             await_assignment(io.BytesIO(bad))
+
+
+def test_a_stopping_mount_writes_the_cache_keys_itself_and_leaves_the_index_to_its_writer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MetaWriter.start: for a layer the daemon stored as metadata bytes, the keys file is there
+    when start returns (the daemon's collection after the mount's stop reads it instead of
+    parsing the bytes); the index is written by the forked writer's first step."""
+    import snapshotter.fusefs.metamount as metamount
+    from snapshotter.fusefs.process import MetaWriter
+    from snapshotter.remote.store import KEYS_FILE, LayerStore, layer_cache_keys
+    from tests.remote.test_store import FILES, LAYER, _meta, _metadata
+
+    layers = LayerStore(tmp_path / "layers")
+    p, data = _metadata(FILES)
+    index = parse_metadata(p, data)
+    layers.save_metadata(_meta(p, data, index.toc_digest), p, data)
+    index_file = layers.index_path(LAYER)
+    state = parse_state(json.dumps({"mountpoint": str(tmp_path / "m"), "runs": [[
+        {"index": str(index_file), "layer_digest": LAYER, "parse_key": p.key(data),
+         "reader": {"kind": "registry"}}]]}).encode())
+    firsts: list[Callable[[], None] | None] = []
+    monkeypatch.setattr(metamount, "fork_writer", lambda tree, st, path, first=None: firsts.append(first))
+    tree = types.SimpleNamespace(layers=[index])
+    MetaWriter(state, tree).start()  # type: ignore[arg-type]  # only its layers are looked at
+    keys_file = layers.layer_dir(LAYER) / KEYS_FILE
+    assert keys_file.exists() and layers.cache_keys(LAYER) == layer_cache_keys(index, LAYER)
+    assert not index_file.exists()
+    (first,) = firsts
+    assert first is not None
+    first()  # what the forked child runs first
+    assert layers.load(LAYER) == index

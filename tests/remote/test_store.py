@@ -27,6 +27,7 @@ from snapshotter.remote.store import (
     load_keys,
     load_layer_index,
     write_derived_index,
+    write_derived_keys,
 )
 from tests.faults.imagekit import tar_of
 
@@ -110,6 +111,29 @@ def test_the_derived_index_is_written_once_and_only_for_the_metadata_it_came_fro
     layers.save(meta, index)
     index_file.unlink()
     assert not write_derived_index(index_file, index, LAYER, meta.parse_key or "")
+
+
+def test_the_derived_keys_are_written_alone_first_and_the_index_keeps_them(tmp_path: Path) -> None:
+    """A mount writes the keys file itself before it exits (the index comes later from its forked
+    writer): same conditions as the index, once, and the index written after keeps those keys."""
+    layers = LayerStore(tmp_path / "layers")
+    p, data = _metadata(FILES)
+    index = parse_metadata(p, data)
+    meta = _meta(p, data, index.toc_digest)
+    layers.save_metadata(meta, p, data)
+    index_file, keys_file = layers.index_path(LAYER), layers.layer_dir(LAYER) / KEYS_FILE
+    assert not write_derived_keys(index_file, index, LAYER, "0" * 64)  # another parse's: nothing
+    assert not keys_file.exists()
+    assert write_derived_keys(index_file, index, LAYER, meta.parse_key or "")
+    assert load_keys(keys_file.read_bytes()) == layer_cache_keys(index, LAYER) == layers.cache_keys(LAYER)
+    assert not index_file.exists()  # the keys alone
+    assert not write_derived_keys(index_file, index, LAYER, meta.parse_key or "")  # there already
+    written = keys_file.stat().st_mtime_ns
+    assert write_derived_index(index_file, index, LAYER, meta.parse_key or "")
+    assert layers.load(LAYER) == index and keys_file.stat().st_mtime_ns == written
+    # A new resolve's metadata removes the keys with the rest: they named the old parse.
+    layers.save_metadata(meta, p, data)
+    assert not keys_file.exists() and not index_file.exists()
 
 
 def test_the_collection_reads_the_keys_file_not_the_index(tmp_path: Path) -> None:
