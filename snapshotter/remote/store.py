@@ -119,8 +119,7 @@ def write_derived_keys(index_file: Path, index: LayerIndex, layer_digest: str, p
     d = index_file.parent
     if index_file.exists() or (d / KEYS_FILE).exists() or not _derived_from(d, parse_key):
         return False
-    _write_keys(d, index, layer_digest)
-    return (d / KEYS_FILE).exists()
+    return _write_keys(d, index, layer_digest)
 
 
 def _derived_from(d: Path, parse_key: str) -> bool:
@@ -132,12 +131,14 @@ def _derived_from(d: Path, parse_key: str) -> bool:
     return (d / METADATA_FILE).exists() and isinstance(meta, dict) and meta.get("parse_key") == parse_key
 
 
-def _write_keys(d: Path, index: LayerIndex, layer_digest: str) -> None:
-    """The cache-keys file of `index` in layer directory `d` (none when the keys cannot be listed)."""
+def _write_keys(d: Path, index: LayerIndex, layer_digest: str) -> bool:
+    """The cache-keys file of `index` in layer directory `d`; False (none written) when the keys
+    cannot be listed."""
     try:
         _write_atomic(d / KEYS_FILE, dump_keys(layer_cache_keys(index, layer_digest)))
     except FormatError:
-        pass  # the collection finds no keys and loads the index, which says what is wrong
+        return False  # the collection finds no keys and loads the index, which says what is wrong
+    return True
 
 
 @dataclass(frozen=True)
