@@ -34,8 +34,12 @@ Networks (`--net`):
                     burst 256kb latency 50ms` (`--shaper tbf`, everything on lo). Always deleted.
   latencyNN         NN ms per round trip through a delaying TCP proxy (integration.bench.netproxy)
                     in front of the registry; images are pulled by the proxy's address.
-Outputs in --out: runs.csv (every run), results.csv (per cell: median, min, max), report.md (the
-Markdown table with date, `uname -a`, CPU) and results.png if matplotlib is importable.
+Warm cells (warm-read, warm-find) run the workload once to fill the caches, wait, drop the page
+cache and time the second run inside the container. With warm-read, each round of each network
+ends with a disk control (integration/bench/diskprobe.py): a fresh file as big as the warm read's,
+read twice with no container, to tell this machine's disk from the read path.
+Outputs in --out: runs.csv (every run), results.csv (per cell: median, min, max), disk_probes.csv,
+report.md (the Markdown table with date, `uname -a`, CPU) and results.png if matplotlib is importable.
 
 Cleanup: the lab (registry, daemon, containerd, mount processes, mounts) is torn down, the qdisc
 deleted and the proxy stopped on every exit path, including Ctrl-C and SIGTERM.
@@ -64,6 +68,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from types import FrameType
 
+from integration.bench.diskprobe import DiskProbe, describe, probe_fresh_file
 from integration.bench.images import DEFAULT_CACHE, BuildError, ImageCache
 from integration.lab import Lab, LabError, stop_pids, wait_until
 
@@ -327,6 +332,7 @@ def _cpu_ticks(pid: int) -> int:
 # 0.10-0.12 s either way, 2026-12-05; on another machine 0.20-0.45 s with 5 s and 0.10 s with 30 s,
 # overlayfs 0.10-0.14 s, s31 and s31w30). A node's next container comes much later than that.
 WARM_SETTLE = 5.0
+DISK_PROBE_MIN_BYTES = 16 << 20  # the disk control's file where an image's warm read has no size here
 
 
 def wait_mounts_idle(mounts_dir: Path, *, quiet: float = 0.5, timeout: float = 15.0) -> float:
@@ -586,6 +592,7 @@ class Config:
 class Report:
     runs: list[RunResult] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    disk_probes: list[DiskProbe] = field(default_factory=list)  # one per network and round with a warm read
     # The machine and checkout when the run began (the daemon is restarted for each run, so it
     # runs what the checkout holds at that moment); None: read them when the report is written.
     machine: dict[str, str] | None = None
@@ -627,6 +634,11 @@ def run_bench(cfg: Config) -> Report:
                                   f"run {res.run_s:.2f}s total {res.total_s:.2f}s "
                                   f"fetched {res.fetched_bytes / 1e6:.1f} MB", flush=True)
                             write_outputs(cfg, report)  # keep partial results on disk
+                        if "warm-read" in workloads:
+                            size = WARM_READ_BYTES.get(image) or DISK_PROBE_MIN_BYTES
+                            first, second = probe_fresh_file(lab.dir, size, cfg.warm_settle, drop_page_cache)
+                            report.disk_probes.append(DiskProbe(net.name, rep, size, round(first, 3),
+                                                                round(second, 3)))
         cold_reset(lab)
     report.notes.append(_load("at the end"))
     assert report.machine is not None
@@ -830,6 +842,8 @@ def markdown(cfg: Config, report: Report, cells: Sequence[CellSummary]) -> str:
                 f"{c.inner_ratio_vs_overlayfs:.2f}" if c.inner_ratio_vs_overlayfs is not None else "–")
             lines.append(f"| {c.image} | {c.workload} | {c.net} | {c.variant} | {c.n} "
                          f"| {_span(c.inner_median_s, c.inner_min_s, c.inner_max_s, c.n)} | {speed} | {ratio} |")
+        if report.disk_probes:
+            lines += ["", describe(report.disk_probes, cfg.warm_settle)]
     workloads = sorted({(c.image, c.workload) for c in cells})
     lines += ["", "Workloads: " + "; ".join(
         f"{img}/{w} = `{shlex.join(WORKLOADS[img][w][0])}`" for img, w in workloads) + "."]
@@ -850,6 +864,12 @@ def write_outputs(cfg: Config, report: Report) -> list[CellSummary]:
         w.writerow([fl.name for fl in fields(CellSummary)])
         for c in cells:
             w.writerow(["" if v is None else v for v in asdict(c).values()])
+    if report.disk_probes:
+        with open(cfg.out / "disk_probes.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow([fl.name for fl in fields(DiskProbe)])
+            for p in report.disk_probes:
+                w.writerow(list(asdict(p).values()))
     md = markdown(cfg, report, cells)
     (cfg.out / "report.md").write_text(md)
     if cfg.results_md is not None:
