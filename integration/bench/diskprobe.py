@@ -6,7 +6,8 @@ disks the first read of newly written blocks is several times slower than any la
 same blocks (seen on this lab's VM: 0.28-0.79 s against 0.07 s for a 256 MiB file, whatever
 wrote it; blocks overwritten in place read fast at once), and how often that happens changes
 from hour to hour. The probe measures that with no container, FUSE or overlay involved, in the
-same run as the cells, so a reader can tell the disk from the read path.
+same run as the cells and right after a reset (as a warm cell's first run writes), so a reader
+can weigh the disk against the read path.
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ def describe(probes: Sequence[DiskProbe], settle: float) -> str:
     return (f"Disk control, no container: a new {size} file written, left {settle:g} s, page cache dropped, read "
             f"({len(probes)} probes, one per network and round, in the same run): first read "
             f"{statistics.median(first):.2f} s ({min(first):.2f}–{max(first):.2f}), second read "
-            f"{statistics.median(second):.2f} s ({min(second):.2f}–{max(second):.2f}). A first read much slower than "
-            "the second is this machine's disk reading newly written blocks, and both warm reads read such "
-            "blocks: ours a file the first run wrote into our cache, overlayfs's one the pull unpacked.")
+            f"{statistics.median(second):.2f} s ({min(second):.2f}–{max(second):.2f}). A first read much slower "
+            "than the second means the disk was slow on newly written blocks at that time; both warm reads "
+            "read blocks written seconds before (ours: the copy the first run wrote into our cache; "
+            "overlayfs: the file the pull unpacked). Probes that are fast do not rule the disk out for the "
+            "cells, as the effect comes and goes.")

@@ -635,6 +635,8 @@ def run_bench(cfg: Config) -> Report:
                                   f"fetched {res.fetched_bytes / 1e6:.1f} MB", flush=True)
                             write_outputs(cfg, report)  # keep partial results on disk
                         if "warm-read" in workloads:
+                            # Right after a reset, as a warm cell's first run writes: into space just freed.
+                            cold_reset(lab)
                             size = WARM_READ_BYTES.get(image) or DISK_PROBE_MIN_BYTES
                             first, second = probe_fresh_file(lab.dir, size, cfg.warm_settle, drop_page_cache)
                             report.disk_probes.append(DiskProbe(net.name, rep, size, round(first, 3),
