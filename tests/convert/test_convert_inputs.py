@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import gzip
-import io
 import json
 import random
 import subprocess
-import tarfile
 from pathlib import Path
 
 import pytest
@@ -22,6 +20,7 @@ from snapshotter.inspect import index_of_file
 from tests.convert.conftest import Source
 from tests.convert.helpers import layout_image, run_cli
 from tests.fetch.registry import RegistryProcess
+from tests.tars import tar_of
 
 
 def write_image(layout: Path, tag: str, layer_blobs: list[tuple[bytes, bytes]], platform: str = "amd64",
@@ -44,12 +43,7 @@ def write_image(layout: Path, tag: str, layer_blobs: list[tuple[bytes, bytes]], 
 
 
 def small_tar(name: str, data: bytes) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tf:
-        info = tarfile.TarInfo(name)
-        info.size = len(data)
-        tf.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
+    return tar_of({name: data})
 
 
 # ---- bad input ---------------------------------------------------------------------------------

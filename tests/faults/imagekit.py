@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from integration import images
 from snapshotter.formats.estargz_footer import footer_bytes
 from snapshotter.formats.estargz_writer import write_estargz
+from tests import tars
 
 CHUNK = 64 << 10  # small eStargz chunks: many chunks per file, many ranges to count
 
@@ -50,17 +51,9 @@ class Pushed:
 
 
 def tar_of(files: dict[str, bytes], dirs: tuple[str, ...] = ("data",)) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
-        for d in dirs:
-            info = tarfile.TarInfo(d)
-            info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, images.FIXED_MTIME
-            tf.addfile(info)
-        for name, data in files.items():
-            info = tarfile.TarInfo(name.lstrip("/"))
-            info.size, info.mode, info.mtime = len(data), 0o644, images.FIXED_MTIME
-            tf.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
+    """`files` (container paths: a leading "/" is dropped) under `dirs`, at the images' fixed time."""
+    return tars.tar_of({name.lstrip("/"): data for name, data in files.items()}, dirs=dirs,
+                       mtime=images.FIXED_MTIME)
 
 
 def busybox_layer() -> LayerBlob:

@@ -35,6 +35,7 @@ from snapshotter.formats.index import (
     LayerIndex,
 )
 from tests.formats import corpus
+from tests.tars import tar_of
 
 MAX_TOC = 64 << 20
 
@@ -112,14 +113,7 @@ def read_all(blob: bytes, index: LayerIndex) -> None:
 
 
 def small_tar(files: dict[str, bytes]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
-        for name, data in files.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            info.mtime = 1_700_000_000
-            tf.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
+    return tar_of(files, mtime=1_700_000_000)
 
 
 def sha256_file(path: Path) -> str:

@@ -25,20 +25,10 @@ from snapshotter.formats.metadata_parse import (
 )
 from snapshotter.formats.nydus import parse_bootstrap
 from snapshotter.formats.rafs_writer import write_nydus
+from tests.tars import tar_of
 
 LAYER = "sha256:" + "ab" * 32
 LIMIT = 64 << 20
-
-
-def _tar(files: dict[str, bytes]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tf:
-        for name, data in files.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            info.mtime = 1_700_000_000
-            tf.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
 
 
 FILES = {"etc/a.txt": b"alpha\n" * 100, "usr/bin/tool": bytes(range(256)) * 300, "empty": b""}
@@ -50,7 +40,7 @@ def _through_json(p: MetadataParse) -> MetadataParse:
 
 def test_estargz_parse_matches_the_format_parser_and_survives_json() -> None:
     out = io.BytesIO()
-    write_estargz(io.BytesIO(_tar(FILES)), out)
+    write_estargz(io.BytesIO(tar_of(FILES)), out)
     blob = out.getvalue()
     footer = estargz.parse_footer(blob[-estargz.FOOTER_SIZE:])
     offset, length = estargz.toc_range(footer, len(blob))
@@ -73,7 +63,7 @@ def test_estargz_parse_matches_the_format_parser_and_survives_json() -> None:
 
 def test_zstdchunked_parse_matches_with_its_position_through_json() -> None:
     out = io.BytesIO()
-    zc.write_zstdchunked(io.BytesIO(_tar(FILES)), out)
+    zc.write_zstdchunked(io.BytesIO(tar_of(FILES)), out)
     blob = out.getvalue()
     pos = zc.parse_footer(blob[-zc.FOOTER_SIZE:], blob_size=len(blob))
     manifest = blob[pos.offset:pos.offset + pos.compressed_size]
@@ -90,7 +80,7 @@ def test_nydus_bootstrap_layer_and_blob_layer() -> None:
         blobs.append(io.BytesIO())
         return blobs[-1]
 
-    result = write_nydus([io.BytesIO(_tar(FILES))], blob_out, chunk_size=4096)
+    result = write_nydus([io.BytesIO(tar_of(FILES))], blob_out, chunk_size=4096)
     tar = io.BytesIO()
     with tarfile.open(fileobj=tar, mode="w") as tf:
         info = tarfile.TarInfo("image/image.boot")

@@ -47,6 +47,7 @@ from snapshotter.formats.codec import decompress_chunk
 from snapshotter.formats.index import EntryType, Landmark, LayerIndex
 from tests.containerd_helper import Containerd, start_containerd
 from tests.formats.corpus import index_tree, tar_tree, write_corpus_tar
+from tests.tars import tar_of
 
 MAX_TOC = 1 << 20
 LAYER = "sha256:" + "ab" * 32
@@ -93,14 +94,7 @@ def unzstd(blob: bytes) -> bytes:
 
 
 def small_tar(files: dict[str, bytes]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
-        for name, data in files.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            info.mtime = 1_700_000_000
-            tf.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
+    return tar_of(files, mtime=1_700_000_000)
 
 
 def convert(tar: bytes, **kw: Any) -> tuple[bytes, zc.ZstdChunkedResult]:

@@ -25,6 +25,7 @@ from snapshotter.fusefs.prefetch import Prefetcher, PrefetchSettings
 from snapshotter.fusefs.process import parse_state
 from snapshotter.fusefs.tree import build_tree
 from snapshotter.reader import FileRangeSource, ReaderConfig, open_layer_reader
+from tests.tars import tar_of
 
 CHUNK = 16 << 10
 PREFETCH = ["app/f07", "app/f21", "app/f02", "lib/big"]
@@ -44,17 +45,7 @@ def _tar() -> tuple[bytes, dict[str, bytes]]:
     rng = random.Random(5)
     files = {f"app/f{i:02d}": rng.randbytes(rng.randint(1_000, 60_000)) for i in range(30)}
     files["lib/big"] = rng.randbytes(300_000)
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
-        for d in ("app", "lib"):
-            info = tarfile.TarInfo(d)
-            info.type, info.mode = tarfile.DIRTYPE, 0o755
-            tf.addfile(info)
-        for name, data in files.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tf.addfile(info, io.BytesIO(data))
-    return buf.getvalue(), files
+    return tar_of(files, dirs=("app", "lib")), files
 
 
 def _layer(tmp: Path, prefetch: Sequence[str] | None) -> tuple[Path, LayerIndex, dict[str, bytes]]:

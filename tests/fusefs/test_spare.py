@@ -9,7 +9,6 @@ import io
 import json
 import logging
 import os
-import tarfile
 import threading
 import time
 from collections.abc import Iterator
@@ -27,20 +26,15 @@ from snapshotter.fusefs import spare as spare_module
 from snapshotter.fusefs.spare import wait_for_assignment
 from snapshotter.fusefs.state import load_tree, parse_state
 from snapshotter.fusefs.tree import build_tree
+from tests.tars import tar_of
 
 L0, L1 = "sha256:" + "0" * 64, "sha256:" + "1" * 64
 
 
 def _member(files: dict[str, bytes]) -> tuple[MetadataParse, bytes, str]:
     """An eStargz layer's TOC member for `files`, how it parses, and its layer digest."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tf:
-        for name, data in files.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tf.addfile(info, io.BytesIO(data))
     out = io.BytesIO()
-    write_estargz(io.BytesIO(buf.getvalue()), out)
+    write_estargz(io.BytesIO(tar_of(files)), out)
     blob = out.getvalue()
     footer = estargz.parse_footer(blob[-estargz.FOOTER_SIZE:])
     offset, length = estargz.toc_range(footer, len(blob))

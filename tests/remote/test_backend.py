@@ -34,21 +34,12 @@ from snapshotter.runtime_spec import Program
 from snapshotter.snapshots.model import Kind
 from snapshotter.snapshots.service import Snapshotter
 from tests.fetch.registry import RegistryProcess, free_port, push_image
-
-
-def _tar(files: dict[str, bytes]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tf:
-        for name, data in files.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tf.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
+from tests.tars import tar_of
 
 
 def _estargz(files: dict[str, bytes]) -> tuple[bytes, str]:
     out = io.BytesIO()
-    result = write_estargz(io.BytesIO(_tar(files)), out)
+    result = write_estargz(io.BytesIO(tar_of(files)), out)
     return out.getvalue(), result.toc_digest
 
 
@@ -300,7 +291,7 @@ def test_a_layer_failing_ahead_falls_back_once_on_its_own_prepare(registry: Regi
                                                                   caplog: pytest.LogCaptureFixture) -> None:
     be, _ = backend
     caplog.set_level(logging.INFO)
-    image = push_image(registry.url, "lazy/mixed", "v1", [_estargz({"a": b"a"})[0], gzip.compress(_tar({"b": b"b"}))])
+    image = push_image(registry.url, "lazy/mixed", "v1", [_estargz({"a": b"a"})[0], gzip.compress(tar_of({"b": b"b"}))])
     low, plain = image.layers
     with pytest.raises(AlreadyExists):
         be.prepare("default/1/extract-1", "", _labels(image.ref, low, "sha256:m1", **{
@@ -326,7 +317,7 @@ def _nydus_layers(salt: bytes) -> list[bytes]:
         blobs.append(io.BytesIO())
         return blobs[-1]
 
-    result = write_nydus([io.BytesIO(_tar({"a": b"a" * 5000 + salt})), io.BytesIO(_tar({"b": b"b" * 7000 + salt}))],
+    result = write_nydus([io.BytesIO(tar_of({"a": b"a" * 5000 + salt})), io.BytesIO(tar_of({"b": b"b" * 7000 + salt}))],
                          blob_out,
                          chunk_size=4096)
     boot = io.BytesIO()
@@ -453,7 +444,7 @@ def _fallback_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
 def test_plain_gzip_layer_falls_back(registry: RegistryProcess, backend: tuple[RemoteBackend, FakeMounter],
                                      caplog: pytest.LogCaptureFixture) -> None:
     be, _ = backend
-    image = push_image(registry.url, "plain/one", "v1", [gzip.compress(_tar({"a": b"a"}))])
+    image = push_image(registry.url, "plain/one", "v1", [gzip.compress(tar_of({"a": b"a"}))])
     (digest,) = image.layers
     before = metrics.FALLBACKS.labels("not_lazy")._value.get()
     mounts = be.prepare("default/1/extract", "", _labels(image.ref, digest, "sha256:plain"))
@@ -648,7 +639,7 @@ def test_a_zstd_chunked_toc_digest_label_is_checked_whoever_parses(
     mounter.spare_parses = spare_parses
     caplog.set_level(logging.INFO)
     out = io.BytesIO()
-    result = write_zstdchunked(io.BytesIO(_tar({"z.txt": b"zstd chunked\n" * 50})), out)
+    result = write_zstdchunked(io.BytesIO(tar_of({"z.txt": b"zstd chunked\n" * 50})), out)
     image = push_image(registry.url, f"lazy/zstdcheck{int(spare_parses)}", "v1", [out.getvalue()])
     (layer,) = image.layers
     be.prepare("default/1/extract-1", "", _labels(image.ref, layer, "sha256:zc1", **{
