@@ -7,7 +7,9 @@ same blocks (seen on this lab's VM: 0.28-0.79 s against 0.07 s for a 256 MiB fil
 wrote it; blocks overwritten in place read fast at once), and how often that happens changes
 from hour to hour. The probe measures that with no container, FUSE or overlay involved, in the
 same run as the cells and right after a reset (as a warm cell's first run writes), so a reader
-can weigh the disk against the read path.
+can weigh the disk against the read path. It writes new random bytes: on this VM, files of the
+bench image's own bytes (stored and read many times before) have read fast the first time in
+minutes when new random files did not (bench RESULTS.md, s53).
 """
 
 from __future__ import annotations
@@ -76,11 +78,13 @@ def describe(probes: Sequence[DiskProbe], settle: float) -> str:
     second = [p.second_s for p in probes]
     sizes = sorted({p.size for p in probes})
     size = " / ".join(f"{s / (1 << 20):g} MiB" for s in sizes)
-    return (f"Disk control, no container: a new {size} file written, left {settle:g} s, page cache dropped, read "
+    return (f"Disk control, no container: a new {size} file of random bytes written, left {settle:g} s, page "
+            "cache dropped, read "
             f"({len(probes)} probes, one per network and round, in the same run): first read "
             f"{statistics.median(first):.2f} s ({min(first):.2f}–{max(first):.2f}), second read "
             f"{statistics.median(second):.2f} s ({min(second):.2f}–{max(second):.2f}). A first read much slower "
             "than the second means the disk was slow on newly written blocks at that time; both warm reads "
             "read blocks written seconds before (ours: the copy the first run wrote into our cache; "
             "overlayfs: the file the pull unpacked). Probes that are fast do not rule the disk out for the "
-            "cells, as the effect comes and goes.")
+            "cells, as the effect comes and goes; slow ones are the worst case: new bytes, where the cells' "
+            "files hold bytes the disk has stored before.")

@@ -39,7 +39,7 @@ def test_description_gives_medians_and_ranges_of_both_reads() -> None:
     probes = [DiskProbe("unshaped", 0, 256 << 20, 0.40, 0.07), DiskProbe("unshaped", 1, 256 << 20, 0.10, 0.08),
               DiskProbe("latency50", 0, 256 << 20, 0.30, 0.09)]
     text = describe(probes, 5.0)
-    assert "a new 256 MiB file written, left 5 s" in text
+    assert "a new 256 MiB file of random bytes written, left 5 s" in text
     assert "(3 probes" in text
     assert "first read 0.30 s (0.10–0.40)" in text and "second read 0.08 s (0.07–0.09)" in text
     with pytest.raises(ValueError):
