@@ -31,6 +31,7 @@ LAYER = "sha256:" + "ab" * 32
 LIMIT = 64 << 20
 
 
+MTIME = 1_700_000_000  # the layer tars' member time, as before the shared helper
 FILES = {"etc/a.txt": b"alpha\n" * 100, "usr/bin/tool": bytes(range(256)) * 300, "empty": b""}
 
 
@@ -40,7 +41,7 @@ def _through_json(p: MetadataParse) -> MetadataParse:
 
 def test_estargz_parse_matches_the_format_parser_and_survives_json() -> None:
     out = io.BytesIO()
-    write_estargz(io.BytesIO(tar_of(FILES)), out)
+    write_estargz(io.BytesIO(tar_of(FILES, mtime=MTIME)), out)
     blob = out.getvalue()
     footer = estargz.parse_footer(blob[-estargz.FOOTER_SIZE:])
     offset, length = estargz.toc_range(footer, len(blob))
@@ -63,7 +64,7 @@ def test_estargz_parse_matches_the_format_parser_and_survives_json() -> None:
 
 def test_zstdchunked_parse_matches_with_its_position_through_json() -> None:
     out = io.BytesIO()
-    zc.write_zstdchunked(io.BytesIO(tar_of(FILES)), out)
+    zc.write_zstdchunked(io.BytesIO(tar_of(FILES, mtime=MTIME)), out)
     blob = out.getvalue()
     pos = zc.parse_footer(blob[-zc.FOOTER_SIZE:], blob_size=len(blob))
     manifest = blob[pos.offset:pos.offset + pos.compressed_size]
@@ -80,7 +81,7 @@ def test_nydus_bootstrap_layer_and_blob_layer() -> None:
         blobs.append(io.BytesIO())
         return blobs[-1]
 
-    result = write_nydus([io.BytesIO(tar_of(FILES))], blob_out, chunk_size=4096)
+    result = write_nydus([io.BytesIO(tar_of(FILES, mtime=MTIME))], blob_out, chunk_size=4096)
     tar = io.BytesIO()
     with tarfile.open(fileobj=tar, mode="w") as tf:
         info = tarfile.TarInfo("image/image.boot")
