@@ -75,6 +75,15 @@ class EarlyContext:
 # back from a socket or epoll call, asks for it, and the prefetch, which does dozens of such calls
 # before its requests are out, took 130 ms to send them instead of 10. Shorter turns while it runs.
 EARLY_SWITCH_INTERVAL = 0.0005
+# Shorter turns were not enough: with the spare building the image's tree (55 ms of CPU) right
+# after the parse, the early prefetch's requests went out only once the tree was built (at +50 ms
+# per round trip, the start-up files then came 60 ms later than they could). So the spare waits
+# for `sent` (at most fusefs/spare.py EARLY_SENT_WAIT) before it builds the tree: the prefetch's
+# event loop found with no other task to run at SENT_IDLE_CHECKS checks in a row, SENT_CHECK_SECONDS
+# apart, means its requests are out (its tasks wait for answers, or for worker threads).
+# (trio.testing.wait_all_tasks_blocked says the same, but importing it costs 50-60 ms of CPU.)
+SENT_CHECK_SECONDS = 0.001
+SENT_IDLE_CHECKS = 2
 _turns_lock = threading.Lock()
 _turns_users = 0
 _turns_saved = 0.0
@@ -101,8 +110,9 @@ class EarlyPrefetch:
     """The early prefetch of one layer (`index`, with its `context`), through a reader of
     `reader_kinds`. `start()` runs it on a daemon thread; `started` is set once its chunks are
     claimed in the process's shared flights (reads of them wait for its fetch) or it has ended,
-    `done` once it has ended, however it ended; then `fetched_bytes` and `requests` say what it
-    fetched."""
+    `sent` once, after that, its event loop has had nothing else to run for a few ms (its requests
+    are out: it waits for answers or for its worker threads) or it has ended, `done`
+    once it has ended, however it ended; then `fetched_bytes` and `requests` say what it fetched."""
 
     def __init__(self, index: LayerIndex, context: EarlyContext, reader_kinds: Mapping[str, ReaderFactory]) -> None:
         self.index = index
@@ -110,21 +120,29 @@ class EarlyPrefetch:
         self.reader_kinds = reader_kinds
         self.layer_digest = str(context.reader["layer_digest"])
         self.started = threading.Event()
+        self.sent = threading.Event()
         self.done = threading.Event()
         self.fetched_bytes = 0
         self.requests = 0
+        self.sent_seconds = -1.0  # from start() until `sent` (its event loop idle), when it was
+        self._began = time.monotonic()
         self.registry_stats = FetchStatistics()  # its registry client's, once it has ended
 
     def start(self) -> None:
         log.info("event=early_prefetch_started layer=%s", self.layer_digest)
+        self._began = time.monotonic()
         threading.Thread(target=self._run, name="early-prefetch", daemon=True).start()
 
     def wait(self, timeout: float) -> bool:
         """Wait until it has ended, at most `timeout` seconds; whether it has."""
         return self.done.wait(timeout)
 
+    def wait_sent(self, timeout: float) -> bool:
+        """Wait until its requests are out (`sent`), at most `timeout` seconds; whether they are."""
+        return self.sent.wait(timeout)
+
     def _run(self) -> None:
-        began = time.monotonic()
+        began = self._began
         try:
             with _short_gil_turns():
                 status, files = trio.run(self._prefetch)
@@ -132,10 +150,12 @@ class EarlyPrefetch:
             log.warning("event=early_prefetch layer=%s status=failed error=%r seconds=%.3f", self.layer_digest,
                         str(exc), time.monotonic() - began)
         else:
-            log.info("event=early_prefetch layer=%s status=%s files=%d bytes=%d requests=%d seconds=%.3f",
-                     self.layer_digest, status, files, self.fetched_bytes, self.requests, time.monotonic() - began)
+            log.info("event=early_prefetch layer=%s status=%s files=%d bytes=%d requests=%d seconds=%.3f "
+                     "sent_seconds=%.3f", self.layer_digest, status, files, self.fetched_bytes, self.requests,
+                     time.monotonic() - began, self.sent_seconds)
         finally:
             self.started.set()
+            self.sent.set()
             self.done.set()
 
     async def _prefetch(self) -> tuple[str, int]:
@@ -158,11 +178,28 @@ class EarlyPrefetch:
             cfg = reader.config
             files, chunks = prefetch_chunks(self.index, cfg.unit_bytes, startup)
             max_run = max(cfg.max_merge_bytes, cfg.max_inflight_bytes // 4)
+            claimed = trio.Event()
+
+            def on_started() -> None:
+                self.started.set()
+                claimed.set()
+
+            async def note_sent() -> None:
+                await claimed.wait()
+                idle_checks = 0
+                while idle_checks < SENT_IDLE_CHECKS:
+                    await trio.sleep(SENT_CHECK_SECONDS)
+                    idle = trio.lowlevel.current_statistics().tasks_runnable == 0
+                    idle_checks = idle_checks + 1 if idle else 0
+                self.sent_seconds = time.monotonic() - self._began
+                self.sent.set()
+
+            nursery.start_soon(note_sent)
             status = "timeout"
             try:
                 with trio.move_on_after(settings.prefetch_timeout):
                     tally = await reader.fetch_chunks(chunks, pin=True, max_gap=PREFETCH_MAX_GAP,
-                                                      max_run_bytes=max_run, on_started=self.started.set)
+                                                      max_run_bytes=max_run, on_started=on_started)
                     self.fetched_bytes, self.requests = tally.fetched_bytes, tally.requests
                     status = "done"
             finally:

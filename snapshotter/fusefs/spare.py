@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 PRELOAD_TTL = 300.0  # seconds a preloaded index waits for its mount (a pull whose image never runs)
 MAX_PRELOADS = 64
+EARLY_SENT_WAIT = 0.03  # seconds the tree waits at most for a just-started early prefetch's requests to go out
 _EXPIRY_CHECK = 30.0  # seconds between expiry checks while no line comes
 
 
@@ -113,11 +114,22 @@ class _Preloads:
         if not keys or not all(k in self.indexes for k in keys) or \
                 (self.prebuilt is not None and self.prebuilt.keys == keys):
             return
+        self._let_early_requests_out()
         began = self.clock()
         tree = build_tree([[self.indexes[k][1] for k in keys]], bare_runs=(0,))
         self.prebuilt = Prebuilt(keys, tree)
         log.info("event=tree_built_ahead layers=%d inodes=%d seconds=%.3f", len(keys), len(tree),
                  self.clock() - began)
+
+    def _let_early_requests_out(self) -> None:
+        """Building a tree holds the GIL for tens of ms: first wait (at most EARLY_SENT_WAIT in
+        all) until the early prefetches have their requests out (fusefs/early.py `sent`), so the
+        start-up files arrive a round trip after the parse rather than a round trip after the tree."""
+        deadline = time.monotonic() + EARLY_SENT_WAIT
+        for early in self.early:
+            wait_sent = getattr(early, "wait_sent", None)
+            if wait_sent is not None:
+                wait_sent(max(0.0, deadline - time.monotonic()))
 
     def assignment(self, found: Assignment) -> Assignment:
         found.preloaded = {k: index for k, (_, index) in self.indexes.items()}

@@ -332,3 +332,46 @@ def test_a_preload_with_an_early_object_starts_that_layers_early_prefetch(tmp_pa
                      (len(i1.entries), {"reader": {"layer_digest": L1}})]  # the plain preload: no call
     assert "event=early_prefetch_not_started" in caplog.text and "no thread for you" in caplog.text
     assert found.prebuilt is not None  # the tree is built ahead as before
+
+
+def test_the_tree_built_ahead_waits_a_bounded_while_for_the_early_requests_to_go_out(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Building the tree holds the GIL: it starts once every early prefetch says its requests
+    are out (`wait_sent`), or EARLY_SENT_WAIT after it began waiting, whichever comes first."""
+    (tmp_path / "in").mkdir()
+    p0, d0, _ = _member(BASE)
+    p1, d1, _ = _member(TOP)
+    order: list[str] = []
+    timeouts: list[float] = []
+
+    class Early:
+        def __init__(self, sends: bool) -> None:
+            self.sends = sends
+
+        def wait_sent(self, timeout: float) -> bool:
+            timeouts.append(timeout)
+            order.append("wait_sent")
+            if not self.sends:
+                time.sleep(timeout)
+            return self.sends
+
+    made = iter([Early(sends=False), Early(sends=True)])
+    real_build = spare_module.build_tree
+
+    def build(*args: object, **kwargs: object) -> object:
+        order.append("build_tree")
+        return real_build(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(spare_module, "build_tree", build)
+    lines = [_with_early(_preload_line(tmp_path / "in", p0, d0, (L0, L1))),
+             _with_early(_preload_line(tmp_path / "in", p1, d1, ())), b'{"state": "/s"}\n']
+    parsed: list[str] = []
+    began = time.monotonic()
+    found = wait_for_assignment(_Feed(lines, parsed, 2), parse=_counting(parsed),  # type: ignore[arg-type]
+                                start_early=lambda index, doc: next(made))
+    assert found is not None and found.prebuilt is not None
+    assert order == ["wait_sent", "wait_sent", "build_tree"]
+    # The first one never sends: it gets the whole wait; the second only what is left of it.
+    assert timeouts[0] == pytest.approx(spare_module.EARLY_SENT_WAIT, abs=0.005)
+    assert timeouts[1] <= 0.005
+    assert time.monotonic() - began < 10
