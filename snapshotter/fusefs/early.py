@@ -127,6 +127,7 @@ class EarlyPrefetch:
         self.sent_seconds = -1.0  # from start() until `sent` (its event loop idle), when it was
         self._began = time.monotonic()
         self.registry_stats = FetchStatistics()  # its registry client's, once it has ended
+        self._live_stats: FetchStatistics | None = None  # that client's, while it runs
 
     def start(self) -> None:
         log.info("event=early_prefetch_started layer=%s", self.layer_digest)
@@ -140,6 +141,15 @@ class EarlyPrefetch:
     def wait_sent(self, timeout: float) -> bool:
         """Wait until its requests are out (`sent`), at most `timeout` seconds; whether they are."""
         return self.sent.wait(timeout)
+
+    def registry_stats_so_far(self) -> FetchStatistics:
+        """What its registry client has received so far (from any thread; all of it once ended)."""
+        live = self._live_stats
+        if self.done.is_set() or live is None:
+            return self.registry_stats
+        return FetchStatistics(requests=live.requests, range_requests=live.range_requests,
+                               multi_range_requests=live.multi_range_requests, retries=live.retries,
+                               bytes_received=live.bytes_received, bytes_by_host=dict(live.bytes_by_host))
 
     def _run(self) -> None:
         began = self._began
@@ -173,6 +183,9 @@ class EarlyPrefetch:
             env = ReaderEnv(nursery=nursery, stack=stack, state=state, auth=dict(ctx.auth))
             factory = self.reader_kinds[str(ctx.reader.get("kind"))]
             reader: Any = await stack.enter_async_context(factory(spec, self.index, env))
+            live_client = env.shared.get("registry_client")
+            if live_client is not None:
+                self._live_stats = live_client.stats
             if not hasattr(reader, "fetch_chunks") or getattr(reader, "cache", None) is None:
                 return "no_cache", 0
             cfg = reader.config

@@ -62,7 +62,7 @@ from snapshotter.fusefs.state import (  # noqa: F401  (LayerSpec, parse_state, .
     parse_state,
 )
 from snapshotter.fusefs.state import typed_field as _get
-from snapshotter.fusefs.stats import run_stats_writer
+from snapshotter.fusefs.stats import EARLY_PREFETCHES, run_stats_writer
 from snapshotter.fusefs.tree import MountTree
 from snapshotter.gcpause import gc_paused
 from snapshotter.mountinfo import mount_device
@@ -252,9 +252,9 @@ async def _watch_signals(state: MountState, recorder: ReadRecorder, stop: trio.C
 async def _prefetch_after(prefetcher: Prefetcher, early: Sequence[EarlyPrefetch], env: ReaderEnv) -> None:
     """prefetcher.run(), once the spare's early prefetches of the mount's layers (fusefs/early.py)
     have ended, or after prefetch_timeout; what they fetched counts as the mount's prefetch, and
-    what they received from the registry as the mount's (its stats file's "registry")."""
+    what they received from the registry as the mount's (its stats file's "registry", counted as
+    it arrives: a mount that stops while one still runs reports what the registry sent it)."""
     names = {st.layer for st in prefetcher.layers}
-    client = env.shared.get("registry_client")
     deadline = trio.current_time() + prefetcher.settings.prefetch_timeout
 
     async def note_in_flight(e: EarlyPrefetch) -> None:
@@ -263,6 +263,7 @@ async def _prefetch_after(prefetcher: Prefetcher, early: Sequence[EarlyPrefetch]
             prefetcher.note_in_flight(e.layer_digest)
 
     ours = [e for e in early if e.layer_digest in names]
+    env.shared.setdefault(EARLY_PREFETCHES, []).extend(ours)
     async with trio.open_nursery() as nursery:
         for e in ours:
             nursery.start_soon(note_in_flight, e)
@@ -270,8 +271,6 @@ async def _prefetch_after(prefetcher: Prefetcher, early: Sequence[EarlyPrefetch]
             left = max(0.0, deadline - trio.current_time())
             if await trio.to_thread.run_sync(e.wait, left, abandon_on_cancel=True):
                 prefetcher.credit(e.layer_digest, e.fetched_bytes, e.requests)
-                if client is not None:
-                    client.stats.add(e.registry_stats)
     await prefetcher.run()
 
 

@@ -16,6 +16,7 @@ Document, version 1 (unknown keys must be ignored by readers):
                  "cache_hits", "cache_misses", "chunks_fetched", "refetches", "readahead_chunks",
                  "readahead_warmed", "amplified_chunks"} ...],   # state order
      "registry": {"requests", "retries", "bytes_received", "bytes_by_host": {HOST: N}},
+                 # the mount's registry client and, live, the spare's early prefetches of its layers
      "cache": {"evicted_chunks", "evicted_bytes"}}
 Other parts of the mount process add fields by putting a callable `() -> dict` into
 `env.shared["stats_hooks"]` (a list); its result is merged into the top level of the document
@@ -33,12 +34,16 @@ from typing import Any
 
 import trio
 
+from snapshotter.fetch.client import FetchStatistics
 from snapshotter.fusefs.ops import LATENCY_BUCKETS, LazyOperations
 
 log = logging.getLogger(__name__)
 
 STATS_VERSION = 1
 STATS_HOOKS = "stats_hooks"
+# env.shared key: the spare's early prefetches of the mount's layers (fusefs/early.py); what their
+# registry clients received (`registry_stats_so_far()`, so far while they run) is the mount's too.
+EARLY_PREFETCHES = "early_prefetches"
 
 
 def _registry_of(image_ref: str) -> str:
@@ -86,7 +91,10 @@ def stats_document(state: Any, ops: LazyOperations, readers: Sequence[object],
     doc["layers"] = layers
     client = shared.get("registry_client")
     if client is not None:
-        st = client.stats
+        st = FetchStatistics()
+        st.add(client.stats)
+        for early in shared.get(EARLY_PREFETCHES, ()):
+            st.add(early.registry_stats_so_far())
         doc["registry"] = {"requests": st.requests, "retries": st.retries, "bytes_received": st.bytes_received,
                            "bytes_by_host": dict(st.bytes_by_host)}
     cache = shared.get("chunk_cache")

@@ -1,7 +1,9 @@
 """fusefs/early.py's `sent`: set once the early prefetch's event loop has its requests out (nothing
 else to run) while the fetch itself goes on, not before its loop went idle, and at the end however
-the prefetch ended. A fake reader stands in for the registry one: what is tested is the thread and
-event loop bookkeeping, which the integration test (tests/integration/test_prefetch.py) runs for real."""
+the prefetch ended; and its registry statistics, which the mount's stats file counts as they
+arrive (fusefs/stats.py), not only once it ended. A fake reader stands in for the registry one: what
+is tested is the thread and event loop bookkeeping, which the integration test
+(tests/integration/test_prefetch.py) runs for real."""
 
 from __future__ import annotations
 
@@ -14,10 +16,13 @@ from typing import Any
 
 import trio
 
+from snapshotter.fetch.client import FetchStatistics
 from snapshotter.formats import estargz
 from snapshotter.formats.estargz import write_estargz
 from snapshotter.formats.index import LayerIndex
 from snapshotter.fusefs.early import EarlyContext, EarlyPrefetch
+from snapshotter.fusefs.ops import FsStatistics
+from snapshotter.fusefs.stats import EARLY_PREFETCHES, stats_document
 from tests.tars import tar_of
 
 LAYER = "sha256:" + "e" * 64
@@ -40,10 +45,12 @@ class _Reader:
     """fetch_chunks: claims (on_started), then `busy` seconds of CPU without yielding (sending
     its requests), then waits `answer` seconds for the answers; records when each step ended."""
 
-    def __init__(self, busy: float, answer: float, fail: bool = False) -> None:
+    def __init__(self, busy: float, answer: float, fail: bool = False, received: int = 0) -> None:
         self.config = SimpleNamespace(unit_bytes=1 << 20, max_merge_bytes=1 << 20, max_inflight_bytes=4 << 20)
         self.cache = object()
         self.busy, self.answer, self.fail = busy, answer, fail
+        self.received = received  # body bytes its client has received once its requests are out
+        self.client_stats = FetchStatistics()
         self.times: dict[str, float] = {}
         self.chunks = 0
 
@@ -54,6 +61,8 @@ class _Reader:
         end = time.monotonic() + self.busy
         while time.monotonic() < end:
             pass
+        self.client_stats.bytes_received += self.received
+        self.client_stats.requests += 1
         self.times["requests_out"] = time.monotonic()
         await trio.sleep(self.answer)
         self.times["answered"] = time.monotonic()
@@ -65,6 +74,7 @@ class _Reader:
 def _early(reader: _Reader) -> EarlyPrefetch:
     @asynccontextmanager
     async def factory(spec: Any, index: LayerIndex, env: Any) -> AsyncIterator[_Reader]:
+        env.shared["registry_client"] = SimpleNamespace(stats=reader.client_stats)
         yield reader
 
     context = EarlyContext.from_doc({"reader": {"kind": "fake", "layer_digest": LAYER}, "config": {}})
@@ -103,3 +113,25 @@ def test_wait_sent_is_bounded() -> None:
     assert early.wait_sent(0.01) is False  # still busy sending
     assert time.monotonic() - began < 0.25
     assert early.wait(BOUND) and early.sent.is_set()
+
+
+def test_registry_stats_count_while_it_runs_and_in_the_mounts_stats_file() -> None:
+    """A mount that stops while the early prefetch still waits for its answers reports what the
+    registry sent so far (the benchmark's fetched/needed used to miss 9 MB of a landmark prefetch)."""
+    reader = _Reader(busy=0.0, answer=1.0, received=9_000_000)
+    early = _early(reader)
+    assert early.registry_stats_so_far().bytes_received == 0
+    early.start()
+    assert early.wait_sent(BOUND)
+    assert not early.done.is_set()
+    so_far = early.registry_stats_so_far()
+    assert (so_far.bytes_received, so_far.requests) == (9_000_000, 1)
+    own = FetchStatistics(requests=2, bytes_received=500, bytes_by_host={"r:5000": 500})
+    shared: dict[str, Any] = {"registry_client": SimpleNamespace(stats=own), EARLY_PREFETCHES: [early]}
+    doc = stats_document(SimpleNamespace(mountpoint="/m", runs=()), SimpleNamespace(stats=FsStatistics()),
+                         [], shared, started=0.0)  # type: ignore[arg-type]
+    assert doc["registry"]["bytes_received"] == 9_000_500
+    assert doc["registry"]["requests"] == 3
+    assert own.bytes_received == 500, "the mount's own client's counters are left as they are"
+    assert early.wait(BOUND)
+    assert early.registry_stats_so_far().bytes_received == 9_000_000
