@@ -240,8 +240,12 @@ class Sampler(threading.Thread):
 _KV = re.compile(r'(\S+?)=("(?:[^"\\]|\\.)*"|\S+)')
 
 
-def registry_bytes(log: Path, offset: int) -> tuple[int, int]:
-    """(body bytes, requests) of the GETs the registry logged after byte `offset` of its log."""
+OUR_USER_AGENT = "snapshotter/"  # how our daemon and mounts introduce themselves (FetchConfig.user_agent)
+
+
+def registry_bytes(log: Path, offset: int, *, except_agent: str | None = None) -> tuple[int, int]:
+    """(body bytes, requests) of the GETs the registry logged after byte `offset` of its log;
+    with `except_agent`, only those whose user agent does not start with it."""
     total = requests = 0
     with open(log, "rb") as f:
         f.seek(offset)
@@ -250,6 +254,8 @@ def registry_bytes(log: Path, offset: int) -> tuple[int, int]:
             if 'msg="response completed' not in line:
                 continue
             kv = {k: v.strip('"') for k, v in _KV.findall(line)}
+            if except_agent is not None and kv.get("http.request.useragent", "").startswith(except_agent):
+                continue
             if kv.get("http.request.method") == "GET" and kv.get("http.request.uri", "").startswith("/v2/"):
                 total += int(kv.get("http.response.written", 0))
                 requests += 1
@@ -275,16 +281,15 @@ def _field_sum(lines: Sequence[str], event: str, key: str) -> int:
     return sum(int(m.group(1)) for line in lines if f"event={event} " in line for m in [pat.search(line)] if m)
 
 
-def needed_bytes(daemon_log: str, fetched: int) -> int:
-    """What a perfect lazy fetcher needed, from our daemon's log of one run: the registry bytes
-    that were neither the daemon's resolves nor the mount's fetches (containerd's manifests and
-    config), plus the format metadata of each layer (footer + TOC / bootstrap) and the compressed
-    chunks that reads touched. Lines: event=lazy_prepare fetched_bytes= metadata_bytes=, and
-    event=mount_stopped demand_chunk_bytes= registry_bytes=."""
+def needed_bytes(daemon_log: str, containerd_own: int) -> int:
+    """What a perfect lazy fetcher needed: the registry bytes containerd (and ctr-remote) fetched
+    themselves (manifests, config: `registry_bytes(..., except_agent=OUR_USER_AGENT)`), plus, from
+    our daemon's log of the run, the format metadata of each layer (footer + TOC / bootstrap) and
+    the compressed chunks that reads touched. Lines: event=lazy_prepare metadata_bytes=, and
+    event=mount_stopped demand_chunk_bytes=. (containerd's share used to be what the registry sent
+    minus what the daemon and the mount said they received: a mount stopped while a prefetch was
+    still arriving made that share, and so "needed", megabytes too big.)"""
     lines = daemon_log.splitlines()
-    resolve_fetched = _field_sum(lines, "lazy_prepare", "fetched_bytes")
-    mount_fetched = _field_sum(lines, "mount_stopped", "registry_bytes")
-    containerd_own = max(0, fetched - resolve_fetched - mount_fetched)
     return containerd_own + _field_sum(lines, "lazy_prepare", "metadata_bytes") + \
         _field_sum(lines, "mount_stopped", "demand_chunk_bytes")
 
@@ -488,7 +493,8 @@ def one_run(lab: Lab, *, image: str, workload: str, net: str, variant: str, rep:
     time.sleep(0.2)  # the registry logs a response after sending it
     fetched, requests = registry_bytes(reg_log, offset)
     if lazy:
-        needed = needed_bytes(lab.daemon_log()[daemon_log_at:], fetched)
+        containerd_own, _ = registry_bytes(reg_log, offset, except_agent=OUR_USER_AGENT)
+        needed = needed_bytes(lab.daemon_log()[daemon_log_at:], containerd_own)
     if kept is not None:
         keep_run_logs(lab, kept, log_offsets, marks)
     return RunResult(image, workload, net, variant, rep, round(t1 - t0, 3), round(t2 - t1, 3), round(t2 - t0, 3),

@@ -18,6 +18,7 @@ import pytest
 
 from integration.bench import run
 from integration.lab import REPO_ROOT, free_port, mounts_under, pids_mentioning
+from snapshotter.fetch.config import FetchConfig
 
 
 def test_bench_harness_smoke(tmp_path: Path) -> None:
@@ -112,8 +113,8 @@ def test_needed_bytes_adds_up_the_daemon_log() -> None:
         "level=info event=lazy_prepare layer=b fetched_bytes=1000 metadata_bytes=900",
         "level=info event=mount_stopped mount=3 pid=9 reads=4 demand_chunk_bytes=5000 registry_bytes=7000",
     ])
-    # 100000 fetched in all: 66536 by resolves, 7000 by the mount, 26464 by containerd itself.
-    assert run.needed_bytes(log, 100_000) == 26_464 + 40_900 + 5_000
+    # containerd's own 2600 bytes, both layers' metadata, the chunks reads touched.
+    assert run.needed_bytes(log, 2_600) == 2_600 + 40_900 + 5_000
 
 
 def test_network_names_parse() -> None:
@@ -131,6 +132,19 @@ def test_registry_bytes_counts_gets_after_offset(tmp_path: Path) -> None:
     with open(log, "a") as f:
         f.write(line.format(m="GET", n=70) + line.format(m="HEAD", n=0) + line.format(m="GET", n=30))
     assert run.registry_bytes(log, offset) == (100, 2)
+
+
+def test_registry_bytes_can_leave_out_one_user_agent(tmp_path: Path) -> None:
+    """containerd's own share of a lazy run: every GET but those of our daemon and mounts."""
+    log = tmp_path / "registry.log"
+    line = ('time="t" level=info msg="response completed" http.request.method=GET '
+            'http.request.uri="/v2/r/blobs/sha256:ab" http.request.useragent={ua} http.response.status=206 '
+            'http.response.written={n}\n')
+    log.write_text(line.format(ua="containerd/1.6.20+unknown", n=1037) + line.format(ua="snapshotter/0.1", n=9_000_000)
+                   + line.format(ua="containerd/1.6.20+unknown", n=560))
+    assert run.registry_bytes(log, 0, except_agent=run.OUR_USER_AGENT) == (1597, 2)
+    assert run.registry_bytes(log, 0) == (9_001_597, 3)
+    assert FetchConfig().user_agent.startswith(run.OUR_USER_AGENT)
 
 
 def test_summary_ratios() -> None:
