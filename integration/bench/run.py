@@ -35,10 +35,12 @@ Networks (`--net`):
   latencyNN         NN ms per round trip through a delaying TCP proxy (integration.bench.netproxy)
                     in front of the registry; images are pulled by the proxy's address.
 Warm cells (warm-read, warm-find) run the workload once to fill the caches, wait, drop the page
-cache and time the second run inside the container. With warm-read, each round of each network
-ends with a disk control (integration/bench/diskprobe.py): a fresh file as big as the warm read's,
-read twice with no container, to tell this machine's disk from the read path.
-Outputs in --out: runs.csv (every run), results.csv (per cell: median, min, max), disk_probes.csv,
+cache, refill the free memory (integration/bench/freemem.py: this VM's balloon gives freed memory
+back to its host, and reads onto such memory are several times slower) and time the second run
+inside the container. With warm-read, each round of each network ends with a memory control
+(freemem.py): a file as big as the warm read's, read with no container after a drop, without and
+with the refill.
+Outputs in --out: runs.csv (every run), results.csv (per cell: median, min, max), memory_probes.csv,
 report.md (the Markdown table with date, `uname -a`, CPU) and results.png if matplotlib is importable.
 
 Cleanup: the lab (registry, daemon, containerd, mount processes, mounts) is torn down, the qdisc
@@ -68,7 +70,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from types import FrameType
 
-from integration.bench.diskprobe import DiskProbe, describe, probe_fresh_file
+from integration.bench.freemem import MemoryProbe, describe, free_page_reporting, probe_memory, refill_free_memory
 from integration.bench.images import DEFAULT_CACHE, BuildError, ImageCache
 from integration.lab import Lab, LabError, stop_pids, wait_until
 
@@ -336,8 +338,16 @@ def _cpu_ticks(pid: int) -> int:
 # writes, synced or not (warm reads of 0.2-0.46 s with no settle, 0.10-0.21 s with 5 s, overlayfs
 # 0.10-0.12 s either way, 2026-12-05; on another machine 0.20-0.45 s with 5 s and 0.10 s with 30 s,
 # overlayfs 0.10-0.14 s, s31 and s31w30). A node's next container comes much later than that.
+# (Some of what looked like the disk there was the host taking freed memory back, freemem.py;
+# the settle stays so that the first run's writes are done before the drop.)
 WARM_SETTLE = 5.0
-DISK_PROBE_MIN_BYTES = 16 << 20  # the disk control's file where an image's warm read has no size here
+MEMORY_PROBE_MIN_BYTES = 16 << 20  # the memory control's file where an image's warm read has no size here
+# Bytes of free memory a warm cell's measured run gets refilled (freemem.py): twice what it reads.
+REFILL_MIN_BYTES = 64 << 20
+
+
+def refill_bytes(image: str) -> int:
+    return max(REFILL_MIN_BYTES, 2 * (WARM_READ_BYTES.get(image) or 0))
 
 
 def wait_mounts_idle(mounts_dir: Path, *, quiet: float = 0.5, timeout: float = 15.0) -> float:
@@ -471,6 +481,7 @@ def one_run(lab: Lab, *, image: str, workload: str, net: str, variant: str, rep:
             wait_mounts_idle(lab.snapshotter_root / "mounts")
             time.sleep(warm_settle)
             drop_page_cache()
+            refill_free_memory(lab.dir, refill_bytes(image))
         t1 = time.monotonic()
         marks["run_start"] = time.time()
         done = lab.ctr_run(ref, f"bench-{uuid.uuid4().hex[:10]}", *argv, snapshotter=snapshotter, timeout=STEP_TIMEOUT)
@@ -598,7 +609,7 @@ class Config:
 class Report:
     runs: list[RunResult] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    disk_probes: list[DiskProbe] = field(default_factory=list)  # one per network and round with a warm read
+    memory_probes: list[MemoryProbe] = field(default_factory=list)  # one per network and round with a warm read
     # The machine and checkout when the run began (the daemon is restarted for each run, so it
     # runs what the checkout holds at that moment); None: read them when the report is written.
     machine: dict[str, str] | None = None
@@ -641,12 +652,12 @@ def run_bench(cfg: Config) -> Report:
                                   f"fetched {res.fetched_bytes / 1e6:.1f} MB", flush=True)
                             write_outputs(cfg, report)  # keep partial results on disk
                         if "warm-read" in workloads:
-                            # Right after a reset, as a warm cell's first run writes: into space just freed.
+                            # Right after a reset, as a warm cell's first run starts.
                             cold_reset(lab)
-                            size = WARM_READ_BYTES.get(image) or DISK_PROBE_MIN_BYTES
-                            first, second = probe_fresh_file(lab.dir, size, cfg.warm_settle, drop_page_cache)
-                            report.disk_probes.append(DiskProbe(net.name, rep, size, round(first, 3),
-                                                                round(second, 3)))
+                            size = WARM_READ_BYTES.get(image) or MEMORY_PROBE_MIN_BYTES
+                            dropped, refilled = probe_memory(lab.dir, size, cfg.warm_settle, drop_page_cache)
+                            report.memory_probes.append(MemoryProbe(net.name, rep, size, round(dropped, 3),
+                                                                    round(refilled, 3)))
         cold_reset(lab)
     report.notes.append(_load("at the end"))
     assert report.machine is not None
@@ -838,7 +849,8 @@ def markdown(cfg: Config, report: Report, cells: Sequence[CellSummary]) -> str:
             "", "Warm (second run, cache hot): the image is pulled, a first container runs the workload (filling "
             "our chunk cache), the harness waits until the image's mount process has used no CPU for 0.5 s (at "
             f"most 15 s) and then {cfg.warm_settle:g} s more (every variant), syncs and drops the page cache, "
-            "then the measured container runs it; the seconds are "
+            "refills the free memory (a sparse file twice as big as the read, read and removed; see the memory "
+            "control below), then the measured container runs it; the seconds are "
             "timed inside the container (no pull, no container start).", "",
             "| image | workload | network | variant | n | in-container s | read MB/s | vs overlayfs |",
             "|---|---|---|---|---|---|---|---|",
@@ -850,8 +862,8 @@ def markdown(cfg: Config, report: Report, cells: Sequence[CellSummary]) -> str:
                 f"{c.inner_ratio_vs_overlayfs:.2f}" if c.inner_ratio_vs_overlayfs is not None else "–")
             lines.append(f"| {c.image} | {c.workload} | {c.net} | {c.variant} | {c.n} "
                          f"| {_span(c.inner_median_s, c.inner_min_s, c.inner_max_s, c.n)} | {speed} | {ratio} |")
-        if report.disk_probes:
-            lines += ["", describe(report.disk_probes, cfg.warm_settle)]
+        if report.memory_probes:
+            lines += ["", describe(report.memory_probes, cfg.warm_settle, free_page_reporting())]
     workloads = sorted({(c.image, c.workload) for c in cells})
     lines += ["", "Workloads: " + "; ".join(
         f"{img}/{w} = `{shlex.join(WORKLOADS[img][w][0])}`" for img, w in workloads) + "."]
@@ -872,11 +884,11 @@ def write_outputs(cfg: Config, report: Report) -> list[CellSummary]:
         w.writerow([fl.name for fl in fields(CellSummary)])
         for c in cells:
             w.writerow(["" if v is None else v for v in asdict(c).values()])
-    if report.disk_probes:
-        with open(cfg.out / "disk_probes.csv", "w", newline="") as f:
+    if report.memory_probes:
+        with open(cfg.out / "memory_probes.csv", "w", newline="") as f:
             w = csv.writer(f)
-            w.writerow([fl.name for fl in fields(DiskProbe)])
-            for p in report.disk_probes:
+            w.writerow([fl.name for fl in fields(MemoryProbe)])
+            for p in report.memory_probes:
                 w.writerow(list(asdict(p).values()))
     md = markdown(cfg, report, cells)
     (cfg.out / "report.md").write_text(md)

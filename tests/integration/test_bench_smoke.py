@@ -69,12 +69,13 @@ def test_bench_harness_smoke(tmp_path: Path) -> None:
     assert "| tiny | sha256 | latency20 | estargz-ours | 1 |" in md and "Linux" in md
     assert "Warm (second run, cache hot)" in md and "| tiny | warm-read | latency20 | estargz-ours | 1 |" in md
     assert "tiny/nydus-prefetch: prefetch profile recorded with `snapshotter record`" in md
-    # The disk control ran once (one network, one round), beside the warm read.
-    with open(out / "disk_probes.csv", newline="") as f:
+    # The memory control ran once (one network, one round), beside the warm read.
+    with open(out / "memory_probes.csv", newline="") as f:
         probes = list(csv.DictReader(f))
-    assert [(p["net"], p["rep"], p["size"]) for p in probes] == [("latency20", "0", str(run.DISK_PROBE_MIN_BYTES))]
-    assert float(probes[0]["first_s"]) > 0 and float(probes[0]["second_s"]) > 0
-    assert "Disk control, no container: a new 16 MiB file" in md
+    assert [(p["net"], p["rep"], p["size"]) for p in probes] == [("latency20", "0", str(run.MEMORY_PROBE_MIN_BYTES))]
+    assert float(probes[0]["dropped_s"]) > 0 and float(probes[0]["refilled_s"]) > 0
+    assert "Memory control, no container: a 16 MiB file read" in md
+    assert "refills the free memory" in md
 
     # Nothing left behind.
     assert not list(lab_base.glob("lazylab-*")), "the lab dir was not removed"
