@@ -56,7 +56,8 @@ def _read_all(path: Path) -> float:
 def refill_free_memory(directory: Path, size: int) -> float:
     """Read a new sparse file of `size` bytes in `directory` and remove it: `size` bytes of page
     cache are taken and freed again, held by the guest. The seconds it took. The file is removed
-    also when the read fails."""
+    also when the read fails. `directory` must be on a disk file system: tmpfs reads holes from
+    the shared zero page, without page cache."""
     if size <= 0:
         raise ValueError("a memory refill needs a positive size")
     path = directory / f".refill-{os.getpid()}-{time.monotonic_ns()}"
