@@ -287,13 +287,14 @@ def needed_bytes(daemon_log: str, containerd_own: int) -> int:
     """What a perfect lazy fetcher needed: the registry bytes containerd (and ctr-remote) fetched
     themselves (manifests, config: `registry_bytes(..., except_agent=OUR_USER_AGENT)`), plus, from
     our daemon's log of the run, the format metadata of each layer (footer + TOC / bootstrap) and
-    the compressed chunks that reads touched. Lines: event=lazy_prepare metadata_bytes=, and
+    the compressed chunks that reads touched. Lines: event=lazy_prepare metadata_bytes= and
+    event=resolved_ahead metadata_bytes= (a layer resolved while the one below was prepared), and
     event=mount_stopped demand_chunk_bytes=. (containerd's share used to be what the registry sent
     minus what the daemon and the mount said they received: a mount stopped while a prefetch was
     still arriving made that share, and so "needed", megabytes too big.)"""
     lines = daemon_log.splitlines()
     return containerd_own + _field_sum(lines, "lazy_prepare", "metadata_bytes") + \
-        _field_sum(lines, "mount_stopped", "demand_chunk_bytes")
+        _field_sum(lines, "resolved_ahead", "metadata_bytes") + _field_sum(lines, "mount_stopped", "demand_chunk_bytes")
 
 
 # ---- one run ----------------------------------------------------------------------------------------

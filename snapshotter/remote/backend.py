@@ -174,10 +174,17 @@ class RemoteBackend:
         return self._resolve_now(ref, whole_image=not parent and not may_be_cut(ref.image_layers))
 
     def _resolve_ahead(self, ref: LayerRef) -> tuple[str, int, int]:
+        """Resolve a layer above the one being prepared; its bytes are logged here
+        (`event=resolved_ahead`), as its own Prepare will find it stored and fetch nothing."""
         self.claims.resolved_ahead(ref.layer_digest)
+        start = time.monotonic()
         # A guessed Nydus bootstrap is fetched whole: a wrong guess costs at most this cap (its first read).
-        return self._resolve_now(ref, max_bootstrap_bytes=min(AHEAD_MAX_BOOTSTRAP_BYTES,
-                                                              self.config.limits.max_bootstrap_bytes))
+        fmt, fetched, needed = self._resolve_now(ref, max_bootstrap_bytes=min(
+            AHEAD_MAX_BOOTSTRAP_BYTES, self.config.limits.max_bootstrap_bytes))
+        if fetched:
+            log.info("event=resolved_ahead image=%s layer=%s format=%s seconds=%.3f fetched_bytes=%d metadata_bytes=%d",
+                     ref.image_ref, ref.layer_digest, fmt, time.monotonic() - start, fetched, needed)
+        return fmt, fetched, needed
 
     def _resolve_now(self, ref: LayerRef, *, max_bootstrap_bytes: int | None = None,
                      whole_image: bool = False) -> tuple[str, int, int]:

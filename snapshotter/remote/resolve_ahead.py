@@ -7,7 +7,8 @@ the first Prepare arrives, the others can be resolved at the same time, and thei
 find the index ready (stargz-snapshotter pre-resolves the same way).
 
 A layer resolved ahead is resolved without its own labels: no expected TOC digest (its Prepare
-checks the stored digest against its label, and resolves again on a mismatch). Nydus markers are
+checks the stored digest against its label, and resolves again on a mismatch) and no tail-size
+hint (the first request asks for the usual suffix; the Prepare's hint is its own layer's tail). Nydus markers are
 guessed: above a Nydus blob layer, the image's last layer is its bootstrap and the others are
 blobs (the layout nydusify and `snapshotter convert` write); the layer's own Prepare uses what was
 resolved ahead only when its markers say the same. A failure ahead is only logged: the layer's own
@@ -74,7 +75,7 @@ class ResolveAhead:
                 if digest in self._running or self._is_known(digest):
                     continue
                 ahead = dataclasses.replace(ref, layer_digest=digest, image_layers=layers[layers.index(digest):],
-                                            toc_digest=None)
+                                            toc_digest=None, tail_size=None)
                 if ref.nydus_blob:
                     is_boot = digest == bootstrap
                     ahead = dataclasses.replace(ahead, nydus_blob=not is_boot, nydus_bootstrap=is_boot)
@@ -109,8 +110,6 @@ class ResolveAhead:
         except Exception as exc:  # its own Prepare resolves it again, or falls back
             log.info("event=resolve_ahead_failed image=%s layer=%s error=%r", ref.image_ref, ref.layer_digest,
                      str(exc))
-        else:
-            log.debug("event=resolved_ahead image=%s layer=%s", ref.image_ref, ref.layer_digest)
 
     def _forget(self, future: Future[None]) -> None:
         with self._lock:

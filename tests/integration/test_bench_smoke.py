@@ -112,10 +112,12 @@ def test_needed_bytes_adds_up_the_daemon_log() -> None:
     log = "\n".join([
         "level=info event=lazy_prepare layer=a fetched_bytes=65536 metadata_bytes=40000",
         "level=info event=lazy_prepare layer=b fetched_bytes=1000 metadata_bytes=900",
+        "level=info event=resolved_ahead layer=c format=estargz fetched_bytes=65536 metadata_bytes=15129",
+        "level=info event=lazy_prepare layer=c fetched_bytes=0 metadata_bytes=0",
         "level=info event=mount_stopped mount=3 pid=9 reads=4 demand_chunk_bytes=5000 registry_bytes=7000",
     ])
-    # containerd's own 2600 bytes, both layers' metadata, the chunks reads touched.
-    assert run.needed_bytes(log, 2_600) == 2_600 + 40_900 + 5_000
+    # containerd's own 2600 bytes, the three layers' metadata (c resolved ahead), the chunks reads touched.
+    assert run.needed_bytes(log, 2_600) == 2_600 + 40_900 + 15_129 + 5_000
 
 
 def test_network_names_parse() -> None:

@@ -3,6 +3,7 @@ backend tests run the real one against the registry)."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 from snapshotter.remote.labels import LayerRef
@@ -68,3 +69,11 @@ def test_layers_above_an_estargz_layer_keep_their_order_and_no_nydus_role() -> N
     seen = _resolved_ahead(ref)
     assert [r.layer_digest for r in seen] == list(layers[1:])
     assert all(not r.nydus_blob and not r.nydus_bootstrap and r.toc_digest is None for r in seen)
+
+
+def test_layers_resolved_ahead_carry_no_tail_size_hint_and_no_toc_digest() -> None:
+    """Both labels belong to the Prepare's own layer, not to the layers above it."""
+    ref = dataclasses.replace(_nydus_ref(4), nydus_blob=False, toc_digest="sha256:" + "a" * 64, tail_size=576_636)
+    seen = _resolved_ahead(ref)
+    assert [r.layer_digest for r in seen] == list(ref.image_layers[1:])
+    assert all(r.tail_size is None and r.toc_digest is None for r in seen)
