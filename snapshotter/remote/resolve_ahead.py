@@ -8,11 +8,11 @@ find the index ready (stargz-snapshotter pre-resolves the same way).
 
 A layer resolved ahead is resolved without its own labels: no expected TOC digest (its Prepare
 checks the stored digest against its label, and resolves again on a mismatch) and no tail-size
-hint (the first request asks for the usual suffix; the Prepare's hint is its own layer's tail). Nydus markers are
-guessed: above a Nydus blob layer, the image's last layer is its bootstrap and the others are
-blobs (the layout nydusify and `snapshotter convert` write); the layer's own Prepare uses what was
-resolved ahead only when its markers say the same. A failure ahead is only logged: the layer's own
-Prepare resolves it (or falls back) as if nothing happened.
+hint (the first request asks for the usual suffix; the Prepare's hint is its own layer's tail).
+Nydus markers are guessed: above a Nydus blob layer, the image's last layer is its bootstrap and
+the others are blobs (the layout nydusify and `snapshotter convert` write); the layer's own
+Prepare uses what was resolved ahead only when its markers say the same. A failure ahead is only
+logged: the layer's own Prepare resolves it (or falls back) as if nothing happened.
 """
 
 from __future__ import annotations
