@@ -160,10 +160,14 @@ def write_image(tree: MountTree, state: MountState, image_path: Path) -> int:
     Not synced (an fsync forces a journal commit, which a container starting meanwhile may wait
     on): the sources file records this boot and the image's CRC, and `image_is_whole` checks the
     CRC of an image from an earlier boot, which a crash may have left short or zero-filled.
+
+    Only the image's own directory is made: FileNotFoundError when the one above it is gone (the
+    daemon's root removed while a forked writer ran), rather than a root made again that nobody
+    owns.
     """
     from snapshotter.fusefs.metaimage import build_meta_image
 
-    image_path.parent.mkdir(parents=True, exist_ok=True)
+    image_path.parent.mkdir(exist_ok=True)
     with open(image_path.with_suffix(".lock"), "w") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)

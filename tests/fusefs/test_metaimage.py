@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import struct
 import subprocess
@@ -194,3 +195,20 @@ def test_a_mount_stopped_before_it_was_quiet_still_leaves_its_image(built: dict[
     assert m.proc.returncode == 0
     assert _wait_for_file(image, 30), m.log()
     assert image_is_whole(image)
+
+
+def test_a_writer_whose_root_is_gone_makes_nothing_again(built: dict[str, Any], tmp_path: Path) -> None:  # noqa: F811
+    """The daemon's root removed while a mount's forked writer runs (a test lab's teardown left
+    ROOT/metaimages/ made again by it): the writer fails, and the root stays gone."""
+    root = tmp_path / "root"
+    image = root / "metaimages" / "k.erofs"
+    with mount_process(tmp_path, [built["specs"][0:2]], subtrees=True, bare_runs=[0], meta_image=str(image)) as m:
+        pass  # stopped before it was quiet: the writer is forked as it stops
+    match = re.search(r"event=meta_writing .*pid=(\d+)", m.log())
+    assert match, m.log()
+    pid = int(match.group(1))
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{pid}"), "the writer did not end within 30 s"
+    assert not root.exists()
