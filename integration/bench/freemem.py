@@ -81,12 +81,13 @@ class MemoryProbe:
     refilled_s: float
 
 
-def probe_memory(directory: Path, size: int, settle: float,
+def probe_memory(directory: Path, size: int, settle: float, refill: int,
                  drop_page_cache: Callable[[], None]) -> tuple[float, float]:
     """Write `size` random bytes to a new file in `directory`; then twice: wait `settle` seconds
-    and drop the page cache (which syncs), the second time followed by a refill of twice `size`;
-    and read the file. Returns (dropped, refilled) read seconds: the warm cells' measured read
-    without and with the refill. The file is removed, also when something fails."""
+    and drop the page cache (which syncs), the second time followed by a refill of `refill` bytes
+    (what the warm cells get); and read the file. Returns (dropped, refilled) read seconds: the
+    warm cells' measured read without and with the refill. The file is removed, also when
+    something fails."""
     if size <= 0:
         raise ValueError("a memory probe needs a positive size")
     path = directory / f".memory-probe-{os.getpid()}-{time.monotonic_ns()}"
@@ -102,7 +103,7 @@ def probe_memory(directory: Path, size: int, settle: float,
         dropped = _read_all(path)
         time.sleep(settle)
         drop_page_cache()
-        refill_free_memory(directory, 2 * size)
+        refill_free_memory(directory, refill)
         refilled = _read_all(path)
     finally:
         path.unlink(missing_ok=True)
@@ -122,7 +123,7 @@ def describe(probes: Sequence[MemoryProbe], settle: float, reporting: bool) -> s
                else "This machine has no memory balloon that reports free pages")
     return (f"Memory control, no container: a {size} file read {settle:g} s after the page cache was dropped "
             f"{statistics.median(dropped):.2f} s ({min(dropped):.2f}–{max(dropped):.2f}); after the same drop "
-            "and the refill every measured warm run gets (a sparse file twice as big read and removed) "
+            "and the refill every measured warm run gets (a sparse file at least twice as big, read and removed) "
             f"{statistics.median(refilled):.2f} s ({min(refilled):.2f}–{max(refilled):.2f}); "
             f"{len(probes)} probes, one per network and round. {balloon}: about 2 s after memory is freed "
             "the host takes it back, and page cache put on such memory makes a read several times slower "

@@ -656,7 +656,8 @@ def run_bench(cfg: Config) -> Report:
                             # Right after a reset, as a warm cell's first run starts.
                             cold_reset(lab)
                             size = WARM_READ_BYTES.get(image) or MEMORY_PROBE_MIN_BYTES
-                            dropped, refilled = probe_memory(lab.dir, size, cfg.warm_settle, drop_page_cache)
+                            dropped, refilled = probe_memory(lab.dir, size, cfg.warm_settle, refill_bytes(image),
+                                                             drop_page_cache)
                             report.memory_probes.append(MemoryProbe(net.name, rep, size, round(dropped, 3),
                                                                     round(refilled, 3)))
         cold_reset(lab)
@@ -850,8 +851,8 @@ def markdown(cfg: Config, report: Report, cells: Sequence[CellSummary]) -> str:
             "", "Warm (second run, cache hot): the image is pulled, a first container runs the workload (filling "
             "our chunk cache), the harness waits until the image's mount process has used no CPU for 0.5 s (at "
             f"most 15 s) and then {cfg.warm_settle:g} s more (every variant), syncs and drops the page cache, "
-            "refills the free memory (a sparse file twice as big as the read, read and removed; see the memory "
-            "control below), then the measured container runs it; the seconds are "
+            "refills the free memory (a sparse file at least twice as big as the read, read and removed; see "
+            "the memory control below), then the measured container runs it; the seconds are "
             "timed inside the container (no pull, no container start).", "",
             "| image | workload | network | variant | n | in-container s | read MB/s | vs overlayfs |",
             "|---|---|---|---|---|---|---|---|",

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from integration.lab import wait_until
 from snapshotter.formats.index import Entry, EntryType, LayerIndex
 from snapshotter.fusefs.metaimage import METACOPY_XATTR, REDIRECT_XATTR, build_meta_image
 from snapshotter.fusefs.metamount import build_image, image_is_whole, mount_erofs, probe, sources_path, unmount
@@ -207,8 +208,5 @@ def test_a_writer_whose_root_is_gone_makes_nothing_again(built: dict[str, Any], 
     match = re.search(r"event=meta_writing .*pid=(\d+)", m.log())
     assert match, m.log()
     pid = int(match.group(1))
-    deadline = time.monotonic() + 30
-    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not os.path.exists(f"/proc/{pid}"), "the writer did not end within 30 s"
+    wait_until(f"the metadata image writer (pid {pid}) to end", lambda: not os.path.exists(f"/proc/{pid}"), 30)
     assert not root.exists()

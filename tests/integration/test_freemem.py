@@ -28,7 +28,7 @@ def test_probe_reads_its_file_after_each_drop_and_refills_before_the_second(tmp_
         assert len(files) == 1 and files[0].stat().st_size == 3 << 20  # written whole, no refill file left
         events.append(("drop", len(files)))
 
-    dropped, refilled = probe_memory(tmp_path, 3 << 20, 0.0, drop)
+    dropped, refilled = probe_memory(tmp_path, 3 << 20, 0.0, 6 << 20, drop)
     assert events == [("drop", 1), ("drop", 1)]
     assert dropped > 0 and refilled > 0
     assert list(tmp_path.iterdir()) == []
@@ -39,10 +39,10 @@ def test_probe_removes_its_file_when_the_drop_fails(tmp_path: Path) -> None:
         raise PermissionError("not root")
 
     with pytest.raises(PermissionError):
-        probe_memory(tmp_path, 1 << 20, 0.0, drop)
+        probe_memory(tmp_path, 1 << 20, 0.0, 2 << 20, drop)
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(ValueError):
-        probe_memory(tmp_path, 0, 0.0, drop)
+        probe_memory(tmp_path, 0, 0.0, 2 << 20, drop)
 
 
 def _device(root: Path, name: str, device: str, features: str) -> None:
