@@ -124,7 +124,7 @@ class EarlyPrefetch:
         self.done = threading.Event()
         self.fetched_bytes = 0
         self.requests = 0
-        self.sent_seconds = -1.0  # from start() until `sent` (its event loop idle), when it was
+        self.sent_seconds = -1.0  # from start() until `sent` (its event loop idle, or its end)
         self._began = time.monotonic()
         self.registry_stats = FetchStatistics()  # its registry client's, once it has ended
         self._live_stats: FetchStatistics | None = None  # that client's, while it runs
@@ -160,9 +160,12 @@ class EarlyPrefetch:
             log.warning("event=early_prefetch layer=%s status=failed error=%r seconds=%.3f", self.layer_digest,
                         str(exc), time.monotonic() - began)
         else:
+            seconds = time.monotonic() - began
+            if self.sent_seconds < 0:  # answered before its loop was seen idle: `sent` is its end
+                self.sent_seconds = seconds
             log.info("event=early_prefetch layer=%s status=%s files=%d bytes=%d requests=%d seconds=%.3f "
                      "sent_seconds=%.3f", self.layer_digest, status, files, self.fetched_bytes, self.requests,
-                     time.monotonic() - began, self.sent_seconds)
+                     seconds, self.sent_seconds)
         finally:
             self.started.set()
             self.sent.set()
