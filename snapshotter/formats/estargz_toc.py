@@ -25,8 +25,8 @@ Contracts:
 
 from __future__ import annotations
 
-import bisect
 import hashlib
+from bisect import bisect_right
 
 from snapshotter.errors import DigestMismatch, FormatError, LimitExceeded
 from snapshotter.formats.estargz_footer import FOOTER_SIZE, MIN_GZIP_MEMBER
@@ -41,6 +41,7 @@ FORMAT_NAME = "estargz"
 # Deflate cannot expand data by more than 1032:1; a chunk claiming more bytes than that from its
 # compressed range is lying, and would only make us inflate garbage.
 _MAX_DEFLATE_RATIO = 1032
+_GZIP = Compression.GZIP
 # After the JSON the TOC tar holds at most 511 padding bytes and the 1024-byte end marker; allow a
 # little more (some writers pad to a record) before calling the member malformed.
 _MAX_TOC_TRAILER = 1 << 16
@@ -123,24 +124,30 @@ def _toc_json(member: bytes, layer: str, max_toc_bytes: int) -> bytes:
 
 def _finish_chunks(p: PendingEntry, offsets: list[int], toc_offset: int, what: str) -> tuple[Chunk, ...]:
     """A gzip chunk's compressed range runs to the next larger payload offset, or to the TOC."""
-    if not p.chunks:
+    raw_chunks = p.chunks
+    if not raw_chunks:
         raise FormatError(f"{what}: regular file {p.name!r} has {p.size} bytes but no payload offset")
+    single = len(raw_chunks) == 1  # nearly every file: its chunk is returned as soon as it is made
+    last_offset = offsets[-1]
     out: list[Chunk] = []
-    for rc in p.chunks:
+    for rc in raw_chunks:
+        blob_offset = rc.blob_offset
         size = rc.size or p.size - rc.file_offset
-        if not 0 < rc.blob_offset < toc_offset:
-            raise FormatError(f"{what}: file {p.name!r}: chunk offset {rc.blob_offset} is outside the "
+        if not 0 < blob_offset < toc_offset:
+            raise FormatError(f"{what}: file {p.name!r}: chunk offset {blob_offset} is outside the "
                               f"payload area [1, {toc_offset})")
-        nxt = offsets[bisect.bisect_right(offsets, rc.blob_offset)] if offsets[-1] > rc.blob_offset \
-            else toc_offset
-        blob_size = nxt - rc.blob_offset
+        nxt = offsets[bisect_right(offsets, blob_offset)] if last_offset > blob_offset else toc_offset
+        blob_size = nxt - blob_offset
         if rc.inner_offset + size > _MAX_DEFLATE_RATIO * blob_size:
-            raise FormatError(f"{what}: file {p.name!r}: chunk at {rc.blob_offset} claims "
+            raise FormatError(f"{what}: file {p.name!r}: chunk at {blob_offset} claims "
                               f"{rc.inner_offset + size} bytes from only {blob_size} compressed bytes")
         digest = rc.digest
-        if digest is None and len(p.chunks) == 1:
+        if digest is None and single:
             digest = p.digest  # a single-chunk file: the file digest is the chunk digest
-        out.append(Chunk(rc.file_offset, size, rc.blob_offset, blob_size, Compression.GZIP, digest, rc.inner_offset))
+        chunk = Chunk(rc.file_offset, size, blob_offset, blob_size, _GZIP, digest, rc.inner_offset)
+        if single:
+            return (chunk,)
+        out.append(chunk)
     return tuple(out)
 
 
@@ -165,14 +172,14 @@ def parse_toc(toc_member: bytes, *, blob_size: int, layer_digest: str, max_toc_b
         raise DigestMismatch(f"{what}: TOC digest is {toc_digest}, the layer's annotation says "
                              f"{expected_toc_digest}")
     with gc_paused():
-        raws = decode_toc(data, what).entries
+        doc = decode_toc(data, what)
         del data  # as big as the index: never held while the entries are built
-        return _build(raws, what, layer_digest, toc_offset, toc_digest)
+        return _build(doc.entries, what, layer_digest, toc_offset, toc_digest, doc.checked)
 
 
 def _build(raws: list[RawEntry | None], what: str, layer_digest: str, toc_offset: int,
-           toc_digest: str) -> LayerIndex:
-    toc = read_entries(raws, what, ESTARGZ)
+           toc_digest: str, checked: bool) -> LayerIndex:
+    toc = read_entries(raws, what, ESTARGZ, checked=checked)
     entries, landmark, prefetch = build_entries(
         toc, lambda p, offs: _finish_chunks(p, offs, toc_offset, what), what)
     return LayerIndex(format=FORMAT_NAME, entries=entries, blobs=(layer_digest,), landmark=landmark,

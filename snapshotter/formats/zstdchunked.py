@@ -328,7 +328,7 @@ def parse_manifest(compressed: bytes, *, blob_size: int, layer_digest: str, max_
                 if layout is Layout.STARGZ else blob_size
         if data_end < 0 or data_end > blob_size:
             raise FormatError(f"{what}: data area [0, {data_end}) does not fit a {blob_size}-byte blob")
-        toc = read_entries(raws, what, ZSTD_CHUNKED)
+        toc = read_entries(raws, what, ZSTD_CHUNKED, checked=doc.checked)
         entries, landmark, prefetch = build_entries(
             toc, lambda p, offs: _finish_chunks(p, offs, data_end, what), what)
         toc_digest = checksum if layout is Layout.CONTAINERS else "sha256:" + hashlib.sha256(data).hexdigest()

@@ -1,5 +1,6 @@
 """jtoc.json_text: a TOC's UTF-8 JSON as an ASCII-only str that parses to the same document.
-jtoc.decode_toc: the typed decoder answers alone only where json.loads (the reference) reads alike."""
+jtoc.decode_toc: the typed decoder answers alone only where json.loads (the reference) reads alike.
+jtoc.read_entries: entries the typed decoder checked come out as the reference reads them."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from snapshotter.errors import FormatError
 from snapshotter.formats import estargz, jtoc
 from snapshotter.formats.estargz_writer import write_estargz
+from snapshotter.formats.index import normalize_name
 
 names = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
 docs = st.fixed_dictionaries({"version": st.just(1), "entries": st.lists(
@@ -152,3 +154,71 @@ def test_a_one_chunk_files_two_equal_digests_are_one_string() -> None:
     for e in files:
         assert len(e.chunks) == 1 and e.digest is not None
         assert e.chunks[0].digest == e.digest and e.chunks[0].digest is e.digest
+
+
+# -- read_entries: what the typed decoder checked is not checked again, with the same outcome ------
+
+plain_names = st.sampled_from(["a", "a/", "a/b", "a/b/", "a//", "./a", "./a/", "/", "/a/", ".", "./", "..",
+                               "a/../b", "a/./", "a/.b/", "a/.b", "a\x00/", "a/b//", "ä/", ""])
+# Values the typed decoder accepts (what it refuses, the test above covers), most of them well-formed:
+# the checks left to read_entries must give the reference's entries, or its error.
+field_values = {
+    "name": st.one_of(plain_names, st.text(max_size=4)),
+    "type": st.sampled_from(["reg", "reg", "reg", "dir", "dir", "chunk", "symlink", "hardlink", "char", "fifo", ""]),
+    "size": st.sampled_from([0, 1, 5, 5, 5]),
+    "mode": st.sampled_from([0o644, 0o644, 0o40755]),
+    "uid": st.sampled_from([0, 0, 1000, (1 << 32) - 1]),
+    "modtime": st.sampled_from(["", "2024-01-02T03:04:05Z", "2024-01-02T03:04:05Z", "2024-13-02T03:04:05Z",
+                                "2024-01-02T03:04:05Z\x00"]),
+    "linkName": st.sampled_from(["", "", "", "a", "a\x00", "../x"]),
+    "digest": st.sampled_from(["sha256:" + "a" * 64, "sha256:" + "a" * 64, "sha256:" + "b" * 64, "sha256:A", "", None]),
+    "chunkDigest": st.sampled_from(["sha256:" + "a" * 64, "sha256:" + "a" * 64, "sha256:" + "c" * 64, "md5:x", "",
+                                    None]),
+    "offset": st.sampled_from([10, 10, 20, 0]),
+    "chunkOffset": st.sampled_from([0, 0, 0, 1, 3]),
+    "chunkSize": st.sampled_from([0, 0, 1, 2]),
+    "innerOffset": st.sampled_from([0, 0, 4]),
+    "chunkType": st.sampled_from(["", "", "zeros", "other"]),
+    "endOffset": st.sampled_from([0, 30]),
+}
+_required = ("name", "type")
+entry_docs = st.lists(
+    st.fixed_dictionaries({k: field_values[k] for k in _required},
+                          optional={k: v for k, v in field_values.items() if k not in _required}),
+    max_size=6, unique_by=lambda entry: str(entry["name"]).strip("/"))
+
+
+def _read(doc: jtoc.TocDocument, dialect: jtoc.JtocDialect, checked: bool) -> object:
+    try:
+        return jtoc.read_entries(doc.entries, "layer x", dialect, checked=checked)
+    except FormatError as exc:
+        return str(exc)
+
+
+@settings(max_examples=600, deadline=None)
+@given(entries=entry_docs, dialect=st.sampled_from([jtoc.ESTARGZ, jtoc.ZSTD_CHUNKED]))
+def test_entries_of_a_typed_document_read_as_the_reference_reads_them(
+        entries: list[dict[str, object]], dialect: jtoc.JtocDialect) -> None:
+    data = json.dumps({"version": 1, "entries": entries}).encode()
+    typed = jtoc.typed_toc(data)
+    if typed is None:
+        return  # the loose reader alone answers (the test above)
+    assert typed.checked
+    reference = jtoc.decode_toc_loose(data, "layer x")
+    assert not reference.checked
+    assert _read(typed, dialect, True) == _read(reference, dialect, False)
+
+
+@pytest.mark.parametrize("name", ["a/", "a/b/", "a//", "./a/", "/", "/a/", "./", "a/./", "a/.b/", "a\x00/",
+                                  "a/b//", "../", "a/../", "ä/"])
+def test_a_directory_name_with_its_trailing_slash_is_normalized(name: str) -> None:
+    raws: list[jtoc.RawEntry | None] = [jtoc.RawEntry(name=name, type="dir")]
+    try:
+        expected: object = normalize_name(name)
+    except FormatError:
+        expected = FormatError
+    try:
+        got: object = jtoc.read_entries(raws, "layer x", jtoc.ESTARGZ, checked=True).pending[0].name
+    except FormatError:
+        got = FormatError
+    assert got == expected
