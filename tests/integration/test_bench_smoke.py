@@ -170,3 +170,44 @@ def test_the_report_names_the_checkout_the_run_began_with(monkeypatch: pytest.Mo
     monkeypatch.setattr(run, "_revision", lambda: "bbbb222 + uncommitted changes")
     md = run.markdown(run.Config(), report, [])
     assert "snapshotter at aaaa111." in md and "bbbb222" not in md
+
+
+def _result(total: float) -> run.RunResult:
+    return run.RunResult(image="i", workload="w", net="n", variant="v", rep=0, pull_s=0.0, run_s=total,
+                         total_s=total, fetched_bytes=0, requests=0, daemon_peak_kib=0, mount_peak_kib=0,
+                         containerd_peak_kib=0, load1=0.0)
+
+
+def test_a_rep_whose_output_was_lost_runs_once_more_and_says_so() -> None:
+    outcomes: list[object] = [run.LostOutput("v i w n rep 0: `ctr run` exited 0 and printed nothing"), _result(1.5)]
+    notes: list[str] = []
+
+    def once() -> run.RunResult:
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        assert isinstance(outcome, run.RunResult)
+        return outcome
+
+    assert run.with_output_retry(once, notes.append).total_s == 1.5
+    assert notes == ["v i w n rep 0: `ctr run` exited 0 and printed nothing; ran again"]
+
+
+def test_a_loss_that_repeats_or_a_wrong_output_is_not_retried_away() -> None:
+    calls: list[int] = []
+
+    def lost() -> run.RunResult:
+        calls.append(1)
+        raise run.LostOutput("lost")
+
+    with pytest.raises(run.LostOutput):
+        run.with_output_retry(lost, lambda text: None)
+    assert len(calls) == 1 + run.LOST_OUTPUT_RETRIES
+
+    def wrong() -> run.RunResult:
+        calls.append(2)
+        raise run.BenchError("unexpected output 'deadbeef'")
+
+    with pytest.raises(run.BenchError, match="deadbeef"):
+        run.with_output_retry(wrong, lambda text: None)
+    assert calls.count(2) == 1
