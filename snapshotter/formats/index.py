@@ -45,6 +45,12 @@ class EntryType(enum.Enum):
     FIFO = "fifo"
 
 
+# The types as module names, for hot loops: `EntryType.REG` is a class attribute lookup (60 ns
+# against 9 ns for a module name), and parses and tree builds test a few per file.
+TYPE_DIR, TYPE_REG, TYPE_SYMLINK, TYPE_HARDLINK, TYPE_CHAR, TYPE_BLOCK = (
+    EntryType.DIR, EntryType.REG, EntryType.SYMLINK, EntryType.HARDLINK, EntryType.CHAR, EntryType.BLOCK)
+
+
 class Compression(enum.Enum):
     NONE = "none"
     GZIP = "gzip"
@@ -225,12 +231,9 @@ def normalize_name(raw: str, *, allow_root: bool = True) -> str:
     return name
 
 
-_REG = EntryType.REG  # a module name: EntryType.REG is a class attribute lookup, slower per file
-
-
 def check_chunks(entry: Entry) -> None:
     """Raise FormatError unless entry's chunks are sorted, contiguous and cover [0, size)."""
-    if entry.type is not _REG:
+    if entry.type is not TYPE_REG:
         if entry.chunks:
             raise FormatError(f"{entry.type.value} entry {entry.name!r} has chunks")
         return

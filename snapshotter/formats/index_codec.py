@@ -50,6 +50,7 @@ from snapshotter.formats.index import (
     LayerIndex,
     check_chunks,
 )
+from snapshotter.formats.index import TYPE_REG as _REG
 from snapshotter.gcpause import gc_paused
 
 VERSION = 1
@@ -61,7 +62,6 @@ _COMPRESSIONS = {c.value: c for c in Compression}
 
 _ENTRY_INT_FIELDS = ("mode", "uid", "gid", "mtime_ns", "size", "dev_major", "dev_minor", "nlink")
 _DEFAULTS = Entry(name="", type=EntryType.REG)
-_REG = EntryType.REG  # a module name: EntryType.REG is a class attribute lookup, slower per entry
 
 
 def _chunk_row(c: Chunk) -> list[Any]:

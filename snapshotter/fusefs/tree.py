@@ -62,6 +62,11 @@ from snapshotter.formats.index import (
     EntryType,
     LayerIndex,
 )
+from snapshotter.formats.index import TYPE_CHAR as _CHAR
+from snapshotter.formats.index import TYPE_DIR as _DIR
+from snapshotter.formats.index import TYPE_HARDLINK as _HARDLINK
+from snapshotter.formats.index import TYPE_REG as _REG
+from snapshotter.formats.index import TYPE_SYMLINK as _SYMLINK
 
 ROOT_INODE = 1
 DEFAULT_OPAQUE_XATTRS = ("trusted.overlay.opaque",)
@@ -80,10 +85,6 @@ _TYPE_BITS = {
 }
 _EMPTY_XATTRS: Mapping[str, bytes] = MappingProxyType({})
 _EMPTY_CHILDREN: Mapping[str, int] = MappingProxyType({})
-# The entry types as module names: EntryType.X is a class attribute lookup, ~50 ns slower, and the
-# tree is built on a container's start path, a few such tests per file.
-_DIR, _REG, _SYMLINK, _HARDLINK, _CHAR = (EntryType.DIR, EntryType.REG, EntryType.SYMLINK, EntryType.HARDLINK,
-                                         EntryType.CHAR)
 
 
 class _NoChildren(dict[str, "Node"]):
