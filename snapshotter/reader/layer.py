@@ -719,24 +719,27 @@ class LayerReader:
     ) -> None:
         bad: dict[int, Exception] = {}  # by position in the run (a retried answer reports again)
 
-        def ended(i: int, outcome: ChunkOutcome) -> None:  # on the event loop
-            if outcome.error is not None:
-                bad[i] = outcome.error  # fetched again below, once the run is done
-                return
-            key = run[i][0]
-            flight = job.flights[key]
-            flight.finish(data=outcome.data, stored=outcome.stored)
-            if outcome.stored:
-                self._forget_flight(key, flight)  # in the cache: later readers find it there
-                if job.shared and self._shared is not None:
-                    self._shared.release(self._scope, (key,), self)
-            if outcome.data is not None and self.cache is not None and not job.in_memory:
-                self.stats.cache_put_failures += 1  # verified, but the cache had no room
+        def ended(outcomes: list[tuple[int, ChunkOutcome]]) -> None:  # on the event loop
+            stored: list[str] = []
+            for i, outcome in outcomes:
+                if outcome.error is not None:
+                    bad[i] = outcome.error  # fetched again below, once the run is done
+                    continue
+                key = run[i][0]
+                flight = job.flights[key]
+                flight.finish(data=outcome.data, stored=outcome.stored)
+                if outcome.stored:
+                    self._forget_flight(key, flight)  # in the cache: later readers find it there
+                    stored.append(key)
+                if outcome.data is not None and self.cache is not None and not job.in_memory:
+                    self.stats.cache_put_failures += 1  # verified, but the cache had no room
+            if stored and job.shared and self._shared is not None:
+                self._shared.release(self._scope, stored, self)
 
         # The decoder runs in worker threads and reports each chunk as it ends: its waiters go on
         # while the rest of the run is still being decoded.
         decoder = RunDecoder(run, start, self._targets(job.in_memory), urgent=job.waited,
-                             on_ended=lambda i, outcome: trio.from_thread.run_sync(ended, i, outcome))
+                             on_ended=lambda outcomes: trio.from_thread.run_sync(ended, outcomes))
         try:
             sink = _DecoderSink(decoder)
             await self._stream(blob, start, end - start, sink)

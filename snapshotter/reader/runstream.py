@@ -6,10 +6,12 @@ whole, or a chunk kept in memory).
 `RunDecoder(run, start, targets)`: `feed(data)` takes the next bytes of the run's blob range
 (from `start`, in order, in any pieces), `close()` ends it; `outcomes()` then tells, for each
 chunk of the run in order, how it ended (`ChunkOutcome`): stored in the cache, bytes in memory,
-or an error. `on_ended(i, outcome)` hears of each as soon as it and the chunks before it ended
-(called from within `feed` / `close`): chunks verified in one `feed` are finished together (one
-cache transaction), but for the `urgent` ones (someone waits for them), which are finished at
-once. A chunk is committed to the cache only after its digest matched (its bytes go to a
+or an error. `on_ended(ended)` hears of each, `ended` a list of (i, outcome) in run order, as
+soon as it and the chunks before it ended (called from within `feed` / `close`): chunks verified
+in one `feed` are finished together (one cache transaction) and reported in one call, but for the
+`urgent` ones (someone waits for them), which are finished and reported at once. (The reader's
+callback hops to its event loop: 50-60 µs of CPU per call, once per chunk was 9 ms for the bench
+image's 166-chunk prefetch.) A chunk is committed to the cache only after its digest matched (its bytes go to a
 cache temp file as they are decoded; a bad chunk's temp file is removed). `reset()` starts over (a retried
 request sends the answer again); `abort()` drops everything not committed.
 
@@ -180,7 +182,8 @@ class RunDecoder:
     (gaps between chunks are skipped; overlapping ranges each get their bytes)."""
 
     def __init__(self, run: Sequence[tuple[str, Chunk]], start: int, targets: TargetFactory, *,
-                 max_piece: int = DEFAULT_PIECE, on_ended: Callable[[int, ChunkOutcome], None] | None = None,
+                 max_piece: int = DEFAULT_PIECE,
+                 on_ended: Callable[[list[tuple[int, ChunkOutcome]]], None] | None = None,
                  urgent: Container[str] = ()) -> None:
         self._run = list(run)
         self._on_ended = on_ended
@@ -249,14 +252,16 @@ class RunDecoder:
         self._ready = []
 
     def _report(self) -> None:
-        """Tell `on_ended` of the chunks that ended, in run order, as soon as every earlier one
-        has ended too (a read waiting for one chunk need not wait for the rest of the run)."""
+        """Tell `on_ended`, in one call, of the chunks that ended, in run order, as soon as every
+        earlier one has ended too (a read waiting for one chunk need not wait for the rest of the
+        run)."""
         states = self._states
+        ended: list[tuple[int, ChunkOutcome]] = []
         while self._reported < len(states) and (outcome := states[self._reported].outcome) is not None:
-            i = self._reported
+            ended.append((self._reported, outcome))
             self._reported += 1
-            if self._on_ended is not None:
-                self._on_ended(i, outcome)
+        if ended and self._on_ended is not None:
+            self._on_ended(ended)
 
     def outcomes(self) -> list[ChunkOutcome]:
         """One per chunk of the run, in order (after `close`)."""

@@ -52,7 +52,7 @@ def test_any_split_stores_every_chunk_verified(tmp_path_factory: pytest.TempPath
     blob, run, plains = make_run(seed, 6)
     ended: list[int] = []
     decoder = RunDecoder(run, 1000, lambda c, key: CacheTarget(cache, key, keep_open=False),
-                         on_ended=lambda i, o: ended.append(i), max_piece=4096)
+                         on_ended=lambda batch: ended.extend(i for i, _ in batch), max_piece=4096)
     feed_in_pieces(decoder, blob, cuts)
     assert ended == list(range(len(run)))  # each reported once, in run order
     assert all(o.stored and o.error is None for o in decoder.outcomes())
@@ -78,7 +78,7 @@ def test_a_corrupt_chunk_fails_alone_and_leaves_no_file(tmp_path: Path) -> None:
 def test_reset_starts_over_and_memory_targets_hold_the_bytes(tmp_path: Path) -> None:
     blob, run, plains = make_run(4, 3)
     ended: list[tuple[int, ChunkOutcome]] = []
-    decoder = RunDecoder(run, 1000, lambda c, key: MemoryTarget(), on_ended=lambda i, o: ended.append((i, o)))
+    decoder = RunDecoder(run, 1000, lambda c, key: MemoryTarget(), on_ended=ended.extend)
     decoder.feed(blob[:len(blob) // 2])
     decoder.reset()  # a retried request: the answer comes again from its first byte
     feed_in_pieces(decoder, blob, [777, 12_345])
@@ -95,3 +95,23 @@ def test_a_short_answer_fails_the_chunks_it_did_not_finish(tmp_path: Path) -> No
     assert outcomes[0].stored and outcomes[1].stored
     assert outcomes[2].error is not None and not cache.contains(run[2][0])
     assert temp_files(tmp_path) == []
+
+
+def test_the_chunks_one_piece_ends_are_reported_in_one_call_but_an_urgent_one_at_once(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, 1 << 30)
+    blob, run, _ = make_run(6, 5)
+    calls: list[list[int]] = []
+    decoder = RunDecoder(run, 1000, lambda c, key: CacheTarget(cache, key, keep_open=False),
+                         on_ended=lambda batch: calls.append([i for i, _ in batch]))
+    decoder.feed(blob)
+    decoder.close()
+    assert calls == [[0, 1, 2, 3, 4]]  # one hop to the reader's event loop for the whole piece
+
+    calls.clear()
+    urgent = {run[1][0]}  # a read waits for chunk 1
+    decoder = RunDecoder(run, 1000, lambda c, key: MemoryTarget(), urgent=urgent,
+                         on_ended=lambda batch: calls.append([i for i, _ in batch]))
+    decoder.feed(blob)
+    decoder.close()
+    assert calls == [[0, 1], [2, 3, 4]]  # chunk 1 (and 0 before it) not held for the rest
+    assert all(o.data is not None for o in decoder.outcomes())
