@@ -216,24 +216,21 @@ def run_child(fmt: str, path: Path, files: int) -> Row:
                round(m["index_tree_mib"], 1), round(m["index_tree_mib"] * 2**20 / entries), round(m["peak_mib"], 1))
 
 
-def prepare(files: int, formats: Sequence[str], cache: Path) -> dict[str, tuple[Path, Layer]]:
+def prepare(files: int, formats: Sequence[str], cache: Path) -> dict[str, Path]:
     """The metadata file of each format for `files` files, built once (cached in `cache`)."""
     base = cache / f"scale-{files}-r{RECIPE}"
     base.mkdir(parents=True, exist_ok=True)
     tar = base / "layer.tar"
-    meta = base / "layer.json"
-    if not meta.exists():
-        layer = build_tar(files, tar)
-        meta.write_text(json.dumps(asdict(layer)))
-    layer = Layer(**json.loads(meta.read_text()))
-    out: dict[str, tuple[Path, Layer]] = {}
+    out: dict[str, Path] = {}
     for fmt in formats:
         path = base / f"layer.{fmt}"
         if not path.exists():
-            if not tar.exists():
-                build_tar(files, tar)
+            if not tar.exists():  # written beside and renamed: an interrupted build leaves no tar
+                partial = tar.with_suffix(".partial")
+                build_tar(files, partial)
+                partial.replace(tar)
             convert(tar, fmt, path)
-        out[fmt] = (path, layer)
+        out[fmt] = path
     return out
 
 
@@ -271,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--files: give at least one positive file count")
     rows: list[Row] = []
     for files in counts:
-        for fmt, (path, _layer) in prepare(files, formats, a.cache).items():
+        for fmt, path in prepare(files, formats, a.cache).items():
             row = run_child(fmt, path, files)
             print(f"{fmt:12} {files:>8,} files: parse {row.parse_s:.3f} s, tree {row.tree_s:.3f} s, "
                   f"index + tree {row.index_tree_mib} MiB ({row.bytes_per_entry} B / entry)", flush=True)

@@ -31,6 +31,8 @@ from snapshotter.formats.index import (
     NO_PREFETCH_LANDMARK,
     NO_XATTRS,
     PREFETCH_LANDMARK,
+    TYPE_BLOCK,
+    TYPE_CHAR,
     Chunk,
     Entry,
     EntryType,
@@ -341,7 +343,7 @@ def _chunk(raw: RawEntry, what: object, dialect: JtocDialect, checked: bool,
     )
 
 
-_DEVICES = (EntryType.CHAR, EntryType.BLOCK)
+_DEVICES = (TYPE_CHAR, TYPE_BLOCK)
 
 
 def _pending(raw: RawEntry, type_: EntryType, name: str, what: object, checked: bool) -> PendingEntry:

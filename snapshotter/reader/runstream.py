@@ -9,11 +9,11 @@ chunk of the run in order, how it ended (`ChunkOutcome`): stored in the cache, b
 or an error. `on_ended(ended)` hears of each, `ended` a list of (i, outcome) in run order, as
 soon as it and the chunks before it ended (called from within `feed` / `close`): chunks verified
 in one `feed` are finished together (one cache transaction) and reported in one call, but for the
-`urgent` ones (someone waits for them), which are finished and reported at once. (The reader's
-callback hops to its event loop: 50-60 µs of CPU per call, once per chunk was 9 ms for the bench
-image's 166-chunk prefetch.) A chunk is committed to the cache only after its digest matched (its bytes go to a
-cache temp file as they are decoded; a bad chunk's temp file is removed). `reset()` starts over (a retried
-request sends the answer again); `abort()` drops everything not committed.
+`urgent` ones (someone waits for them), which are finished and reported at once (the reader's
+callback hops to its event loop, 50-60 µs of CPU a call). A chunk is committed to the cache only
+after its digest matched (its bytes go to a cache temp file as they are decoded; a bad chunk's
+temp file is removed). `reset()` starts over (a retried request sends the answer again);
+`abort()` drops everything not committed.
 
 Blocking (decompression, hashing, cache file writes): call it from a worker thread, one call at
 a time.
