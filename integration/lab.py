@@ -330,6 +330,10 @@ class Lab:
         strays = set(pids_mentioning(str(self.dir) + "/", exclude=mine))
         strays |= {pid for pid, sid in session_members.items() if pid not in mine and _session_of(pid) == sid}
         stop_pids(sorted(strays), grace=5.0)
+        # A mount process told to stop may fork its index and metadata-image writer before it ends
+        # (fusefs/metamount.py `fork_writer`, no exec: the same command line); one forked after the
+        # list above was taken would write into the lab dir while it is removed, leaving part of it.
+        stop_pids(pids_mentioning(str(self.dir) + "/", exclude=mine), grace=5.0)
         runc_roots = sorted((self.dir / "runc").glob("*")) if (self.dir / "runc").is_dir() else []
         for root in runc_roots:
             with contextlib.suppress(LabError):
