@@ -70,6 +70,27 @@ class RegistryProcess:
                 os.kill(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout)
 
+    def wait_cached(self, repository: str, digest: str, timeout: float = 20.0) -> None:
+        """Wait (bounded) until this pull-through cache has committed blob `digest` of `repository`.
+
+        The registry (distribution 2.8) stores a proxied blob in a goroutine after it answered;
+        its filesystem driver writes the repository's link by truncating the file and writing it
+        at commit, so a request that lands in that window can get a 500. A test that needs the
+        cache to answer waits for the complete link and for the upload directory to be gone.
+        """
+        repo_dir = self.root / "docker/registry/v2/repositories" / repository
+        link = repo_dir / "_layers" / digest.replace(":", "/", 1) / "link"
+        uploads = repo_dir / "_uploads"
+        deadline = time.monotonic() + timeout
+        while True:
+            linked = link.exists() and link.read_text() == digest
+            if linked and not (uploads.exists() and any(uploads.iterdir())):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"registry {self.host}: blob {digest} of {repository} not cached "
+                                   f"after {timeout}s (link {'complete' if linked else 'missing'})")
+            time.sleep(0.02)
+
 
 def start_registry(workdir: Path, *, htpasswd: Path | None = None, proxy_remote: str | None = None,
                    tls: tuple[Path, Path] | None = None, port: int | None = None,
