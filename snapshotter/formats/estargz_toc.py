@@ -132,7 +132,8 @@ def _finish_chunks(p: PendingEntry, offsets: list[int], toc_offset: int, what: s
     out: list[Chunk] = []
     for rc in raw_chunks:
         blob_offset = rc.blob_offset
-        size = rc.size or p.size - rc.file_offset
+        # A one-chunk file's chunk size is the entry's own int (one object per file, not two).
+        size = rc.size or (p.size - rc.file_offset if rc.file_offset else p.size)
         if not 0 < blob_offset < toc_offset:
             raise FormatError(f"{what}: file {p.name!r}: chunk offset {blob_offset} is outside the "
                               f"payload area [1, {toc_offset})")

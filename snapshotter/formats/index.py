@@ -33,6 +33,10 @@ PREFETCH_LANDMARK = ".prefetch.landmark"
 NO_PREFETCH_LANDMARK = ".no.prefetch.landmark"
 LANDMARK_CONTENTS = b"\x0f"
 NO_XATTRS: Mapping[str, bytes] = MappingProxyType({})  # one shared empty mapping for entries without xattrs
+# One int object per permission-bit value, for parsers to share (`SHARED_MODES.setdefault(m, m)`):
+# a decoded 0o644 is a new 28-byte object per entry otherwise (CPython caches only -5..256), and
+# the mount keeps one per entry and per node. At most 4096 keys, as modes are masked to 0o7777.
+SHARED_MODES: dict[int, int] = {}
 
 
 class EntryType(enum.Enum):

@@ -42,6 +42,7 @@ from typing import Any
 from snapshotter.errors import FormatError, LimitExceeded
 from snapshotter.formats.index import (
     NO_XATTRS,
+    SHARED_MODES,
     Chunk,
     Compression,
     Entry,
@@ -248,7 +249,7 @@ def _bad(what: str) -> FormatError:
     return FormatError(f"persisted index: {what}")
 
 
-def _chunk_v2(row: object, name: str, file_digest: str | None) -> Chunk:
+def _chunk_v2(row: object, name: str, file_digest: str | None, file_size: object) -> Chunk:
     if type(row) is not tuple or len(row) != 9:
         raise _bad(f"entry {name!r}: a chunk is not a 9-tuple")
     file_offset, size, blob_offset, blob_size, compression, digest, inner_offset, blob_index, zeros = row
@@ -264,6 +265,8 @@ def _chunk_v2(row: object, name: str, file_digest: str | None) -> Chunk:
         raise _bad(f"entry {name!r}: a chunk's zeros flag is not a bool")
     if digest is not None and digest == file_digest:
         digest = file_digest  # one string object for a one-chunk file's two equal digests
+    if size == file_size:
+        size = file_size  # and one int for its two equal sizes
     return Chunk(file_offset, size, blob_offset, blob_size, comp, digest, inner_offset, blob_index, zeros)
 
 
@@ -292,7 +295,9 @@ def _entry_v2(row: object) -> Entry:
                    for p in xattr_pairs):
             raise _bad(f"entry {name!r}: xattrs are not (name, bytes) pairs")
         xattrs = MappingProxyType(dict(xattr_pairs))
-    chunks = tuple(_chunk_v2(c, name, digest) for c in chunk_rows)
+    chunks = tuple(_chunk_v2(c, name, digest, size) for c in chunk_rows)
+    if mode <= 0o7777:  # what every writer stores; anything else is kept as it is
+        mode = SHARED_MODES.setdefault(mode, mode)
     entry = Entry(name, etype, mode, uid, gid, mtime_ns, size, link_target, dev_major, dev_minor, xattrs, nlink,
                   digest, chunks)
     if chunks or etype is _REG:

@@ -31,6 +31,7 @@ from snapshotter.formats.index import (
     NO_PREFETCH_LANDMARK,
     NO_XATTRS,
     PREFETCH_LANDMARK,
+    SHARED_MODES,
     TYPE_BLOCK,
     TYPE_CHAR,
     Chunk,
@@ -380,8 +381,10 @@ def _pending(raw: RawEntry, type_: EntryType, name: str, what: object, checked: 
     digest = None
     if type_ is _REG:
         digest = _digest(raw.digest, "digest", what)
-    return PendingEntry(name, type_, mode & 0o7777, uid, gid, mtime_ns, size, link, dev_major, dev_minor,
-                        NO_XATTRS if raw.xattrs is None else xattrs_value(raw.xattrs, what), digest)
+    mode &= 0o7777
+    return PendingEntry(name, type_, SHARED_MODES.setdefault(mode, mode), uid, gid, mtime_ns, size, link,
+                        dev_major, dev_minor, NO_XATTRS if raw.xattrs is None else xattrs_value(raw.xattrs, what),
+                        digest)
 
 
 @dataclass

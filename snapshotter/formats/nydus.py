@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 from snapshotter.errors import FormatError, LimitExceeded
 from snapshotter.formats import rafs_layout as L
-from snapshotter.formats.index import NO_XATTRS, Chunk, Compression, Entry, EntryType, LayerIndex
+from snapshotter.formats.index import NO_XATTRS, SHARED_MODES, Chunk, Compression, Entry, EntryType, LayerIndex
 from snapshotter.formats.index import TYPE_BLOCK as _BLOCK
 from snapshotter.formats.index import TYPE_CHAR as _CHAR
 from snapshotter.formats.index import TYPE_DIR as _DIR
@@ -260,6 +260,7 @@ class _Reader:
         # Honest bootstraps spend >= 12 bytes per dirent and 8 per chunk index: cap work by that.
         self.dirent_budget = len(data) // L.DIRENT_SIZE + 2
         self.chunk_budget = len(data) // L.CHUNK_INDEX_SIZE + 1
+        self._mtimes: dict[int, int] = {}  # one int per distinct mtime (compact inodes share a few)
         # Xattr areas and directory/symlink bytes are unique in an honest bootstrap; overlapping
         # nids or shared blocks in a hostile one could make us re-read them without end.
         self.byte_budget = len(data) + 8192
@@ -465,7 +466,8 @@ class _Reader:
                 usize, coff, uoff, info_index = (info.uncompressed_size, info.compressed_offset,
                                                  info.uncompressed_offset, info.index)
             offset = i * cs
-            want = cs if size - offset > cs else size - offset
+            # (A one-chunk file's chunk gets the file's own size int.)
+            want = cs if size - offset > cs else (size - offset if offset else size)
             if info_blob != blob_index or info_index != ci_index:
                 raise FormatError(f"nydus bootstrap: file {name!r} chunk {i}: chunk info does not match its index")
             if usize != want:
@@ -561,7 +563,9 @@ class _Reader:
         elif ftype is _CHAR or ftype is _BLOCK:
             major, minor = L.decode_dev(ino.i_u)
         # Positional, in Entry's field order (a keyword call costs twice as much, 11k times).
-        return Entry(name, ftype, ino.mode & 0o7777, ino.uid, ino.gid, mtime_ns, size, link, major, minor,
+        mode = ino.mode & 0o7777
+        return Entry(name, ftype, SHARED_MODES.setdefault(mode, mode), ino.uid, ino.gid,
+                     self._mtimes.setdefault(mtime_ns, mtime_ns), size, link, major, minor,
                      xattrs, ino.nlink, None, chunks)
 
 

@@ -263,7 +263,7 @@ def _finish_chunks(p: PendingEntry, offsets: Sequence[int], data_end: int, what:
     for i, rc in enumerate(p.chunks):
         last = i + 1 == len(p.chunks)
         end = p.size if last else p.chunks[i + 1].file_offset
-        size = end - rc.file_offset
+        size = end - rc.file_offset if rc.file_offset else end  # a one-chunk file: its own size int
         if size <= 0 or (rc.size and rc.size != size):
             raise FormatError(f"{what}: file {p.name!r}: chunk at file offset {rc.file_offset} (size "
                               f"{rc.size}) does not meet the next at {end}")

@@ -251,6 +251,13 @@ def _clean_xattrs(xattrs: Mapping[str, bytes]) -> Mapping[str, bytes]:
     return xattrs
 
 
+def _mode_of(entry: Entry) -> int:
+    """The entry's permission bits: its own int object (shared across entries by the parsers)
+    when it holds nothing else, as the index promises."""
+    mode = entry.mode
+    return mode if mode <= 0o7777 else mode & 0o7777
+
+
 def _from_entry(entry: Entry, layer: int) -> Node:
     etype = entry.type
     size = 0
@@ -259,16 +266,19 @@ def _from_entry(entry: Entry, layer: int) -> Node:
     elif etype is _SYMLINK:
         size = len(os.fsencode(entry.link_target))
     xattrs = _clean_xattrs(entry.xattrs) if entry.xattrs else _EMPTY_XATTRS
+    mode = entry.mode  # _mode_of, without the call (once per file)
+    if mode > 0o7777:
+        mode &= 0o7777
     # Positional, in Node's field order (keywords cost twice the time of the call, once per file).
     return Node(
-        etype, entry.mode & 0o7777, entry.uid, entry.gid, entry.mtime_ns, size,
+        etype, mode, entry.uid, entry.gid, entry.mtime_ns, size,
         entry.link_target if etype is _SYMLINK else "", entry.dev_major, entry.dev_minor,
         xattrs, layer, entry, {} if etype is _DIR else _NO_KIDS,
     )
 
 
 def _set_dir_meta(node: Node, entry: Entry, layer: int) -> None:
-    node.mode = entry.mode & 0o7777
+    node.mode = _mode_of(entry)
     node.uid, node.gid, node.mtime_ns = entry.uid, entry.gid, entry.mtime_ns
     node.xattrs = _clean_xattrs(entry.xattrs)
     node.layer, node.entry = layer, entry

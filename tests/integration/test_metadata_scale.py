@@ -51,3 +51,28 @@ def test_a_bad_format_is_refused_by_name(tmp_path: Path, capsys: pytest.CaptureF
     assert exc.value.code == 2
     assert "unknown squashfs" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # nothing built for a refused run
+
+
+@pytest.mark.parametrize("fmt", metadata_scale.FORMATS)
+def test_parsed_entries_and_nodes_share_their_equal_modes_and_a_one_chunk_files_size(
+        tmp_path: Path, fmt: str) -> None:
+    """What keeps the per-entry memory the benchmark reports: CPython makes a new int object for
+    every decoded number above 256, 28 bytes each, and the mount keeps one per entry and node."""
+    from snapshotter.formats.index import TYPE_REG
+    from snapshotter.formats.index_codec import dump_index, load_index
+    from snapshotter.formats.metadata_parse import parse_metadata
+    from snapshotter.fusefs.tree import build_tree
+
+    metadata_scale.build_tar(60, tmp_path / "layer.tar")
+    converted = tmp_path / f"layer.{fmt}"
+    metadata_scale.convert(tmp_path / "layer.tar", fmt, converted)
+    parsed = parse_metadata(*metadata_scale.metadata_of(fmt, converted))
+    for index in (parsed, load_index(dump_index(parsed))):  # as parsed, and as a restarted mount loads it
+        files = [e for e in index.entries if e.type is TYPE_REG]
+        assert len(files) == 60 and len({e.mode for e in files}) == 1 and files[0].mode > 256
+        assert len({id(e.mode) for e in files}) == 1
+        one_chunk = [e for e in files if len(e.chunks) == 1 and e.size > 256]
+        assert one_chunk and all(e.chunks[0].size is e.size for e in one_chunk)
+        tree = build_tree([[index]])
+        nodes = [n for n in tree.nodes.values() if n.entry is not None and n.entry.type is TYPE_REG]
+        assert len(nodes) == 60 and all(n.mode is n.entry.mode for n in nodes)
