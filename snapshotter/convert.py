@@ -17,7 +17,10 @@ entries, which hold no filesystem, are dropped with a warning; a nested index is
    stargz TOC digest).
    Prefetch, as ctr-remote does: every layer gets a landmark. With `--prefetch-list`, the listed
    files present in a layer come first, then `.prefetch.landmark`; a layer holding none of them
-   (or any layer without a list) gets `.no.prefetch.landmark` first. Other annotations of the
+   (or any layer without a list) gets `.no.prefetch.landmark` first. Unlike ctr-remote, the
+   list's start-up files (fusefs/startup_files.py `startup_files_first`: the user database, the
+   loader, its cache, the C library) come first in it, then the rest in list order: a prefetch
+   streams the region in blob order, and every container start reads those before its program. Other annotations of the
    source descriptor are kept, except stale ones (`containerd.io/snapshot/*`,
    `containerd.io/uncompressed`, `io.containers.*`, `io.github.containers.*`).
 3. Nydus (`write_nydus` over all layer tars at once, zstd chunks, whiteouts applied, chunks
@@ -35,7 +38,8 @@ entries, which hold no filesystem, are dropped with a warning; a nested index is
    a blob layer is not compressed, so its diff_id is its digest; the bootstrap's is the sha256
    of the bootstrap tar. A history entry is appended for the bootstrap layer. `--prefetch-list`
    names fill the bootstrap's prefetch table (names absent from the image are ignored), and
-   their chunks come first in each blob, as nydus-image lays blobs out (one run to prefetch).
+   their chunks come first in each blob, as nydus-image lays blobs out (one run to prefetch), in
+   the list's order with its start-up files first, as for eStargz.
    Note: containerd's ordinary unpack cannot apply the blob layers (not tar streams); a Nydus
    image needs a Nydus-aware snapshotter, as with nydusify's output.
 4. The new config and manifest are always OCI (`...manifest.v1+json`, `...config.v1+json`;
@@ -77,6 +81,7 @@ from snapshotter.formats.estargz import write_estargz
 from snapshotter.formats.index import normalize_name
 from snapshotter.formats.nydus import write_nydus
 from snapshotter.formats.zstdchunked import write_zstdchunked
+from snapshotter.fusefs.startup_files import startup_files_first
 from snapshotter.image.model import (
     DOCKER_CONFIG,
     INDEX_TYPES,
@@ -488,6 +493,8 @@ class _Converter:
         self.work = work
         self.progress = progress
         self.chunk_size = options.chunk_size or DEFAULT_CHUNK_SIZE[options.format]
+        # The order the writers lay the prefetch list's files out in (module docstring).
+        self.prefetch_order = startup_files_first(options.prefetch) if options.prefetch is not None else None
         self._done: dict[str, ConvertedLayer] = {}  # source layer digest -> result (estargz/zstd)
 
     async def run(self) -> ConvertResult:
@@ -627,7 +634,7 @@ class _Converter:
         what = f"image {label}: layer {i + 1}/{n} ({digest})"
         tar = await self._layer_tar(i, n, layer, diff_id, label)
         names = self._layer_names(tar, what)
-        prefetch = [p for p in self.opts.prefetch or () if p in names]
+        prefetch = [p for p in self.prefetch_order or () if p in names]
         out = self.work / f"out-{digest.split(':', 1)[1]}"
         step = self.progress.step(f"layer {i + 1}/{n} convert to {self.opts.format}", tar.stat().st_size)
         with _failing_as(f"{what}: converting to {self.opts.format}", "; the layer tar is malformed"):
@@ -666,7 +673,7 @@ class _Converter:
                     return stack.enter_context(open(blob_paths[i], "wb"))
 
                 result = write_nydus(streams, blob_out, chunk_size=self.chunk_size, compression="zstd",
-                                     prefetch=list(self.opts.prefetch) if self.opts.prefetch else None)
+                                     prefetch=self.prefetch_order or None)
         for t in tars:
             t.unlink()
         out: list[ConvertedLayer] = []

@@ -54,8 +54,9 @@ class BuildError(RuntimeError):
 
 
 # The done marker of a variant our converter made; a marker from an older converter (whose
-# output lacked something the bench measures: 2 = the tail-size hint annotation) converts again.
-OURS_DONE = "ok converter 2\n"
+# output lacked something the bench measures: 2 = the tail-size hint annotation; 3 = a prefetch
+# list's start-up files first, and a Nydus blob's prefetch files in list order) converts again.
+OURS_DONE = "ok converter 3\n"
 
 
 def debian_mirror() -> str:

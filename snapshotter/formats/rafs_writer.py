@@ -22,10 +22,12 @@ Contract of `write_nydus(layers, blob_out, chunk_size=1 MiB, compression="zstd",
   `prefetch` names (normalized paths) go to the prefetch table as nids.
 - Prefetch files first, as nydus-image lays out a blob: when `prefetch` is given and a layer's
   stream can seek, the chunks of that layer's regular files named in it (or under a directory
-  named in it) are written at the head of the blob, in tar order, before every other chunk, so
-  a mount's prefetch is one contiguous run of the blob. That layer's tar is then read twice
-  (once for those files, once for the tree); a stream that cannot seek is read once and its
-  chunks stay in tar order.
+  named in it) are written at the head of the blob, before every other chunk, so a mount's
+  prefetch is one contiguous run of the blob, streamed in blob order. They are in list order
+  (a file at the first position naming it or a directory above it; files of one position in
+  tar order) when the tar is uncompressed, in tar order when it is compressed (its data cannot
+  be sought). That layer's tar is then read twice (once for those files, once for the tree); a
+  stream that cannot seek is read once and its chunks stay in tar order.
 The function reads each tar once (but see above), streaming; memory holds the tree, not file
 contents.
 """
@@ -38,7 +40,7 @@ import tarfile
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import IO, BinaryIO
+from typing import BinaryIO, Protocol
 
 import zstandard
 
@@ -236,7 +238,11 @@ class _Builder:
     def __init__(self, blob_out: Callable[[int], BinaryIO], chunk_size: int, compression: Compression,
                  digest_algo: str, prefetch: Sequence[str] = ()) -> None:
         self.blob_out = blob_out
-        self.prefetch = frozenset(normalize_name(p) for p in prefetch)
+        # Each listed name's first position in the list: the layout order of prefetch files.
+        self.prefetch_rank: dict[str, int] = {}
+        for position, name in enumerate(prefetch):
+            self.prefetch_rank.setdefault(normalize_name(name), position)
+        self.prefetch = frozenset(self.prefetch_rank)
         self.digest_algo = digest_algo
         self.chunk_size = chunk_size
         self.compression = compression
@@ -288,7 +294,10 @@ class _Builder:
         placed: dict[tuple[int, str], list[_StoredChunk]] = {}
         if self.prefetch and _can_rewind(stream):
             start = stream.tell()
-            _each_member(index, stream, lambda tf, m: self._place_prefetch_file(tf, m, blob, placed))
+            if _compressed(stream):
+                _each_member(index, stream, lambda tf, m: self._place_prefetch_file(tf, m, blob, placed))
+            else:
+                self._place_prefetch_files_in_list_order(index, stream, start, blob, placed)
             stream.seek(start)
         _each_member(index, stream, lambda tf, m: self._add_member(index, tf, m, blob, touched, placed))
         self.blobs.append(blob.finish(self.compression, self.chunk_size, self.digest_algo))
@@ -299,6 +308,32 @@ class _Builder:
             return True
         parts = name.split("/")
         return any("/".join(parts[:i]) in self.prefetch for i in range(1, len(parts)))
+
+    def _prefetch_position(self, name: str) -> int | None:
+        """The first list position naming `name` or a directory above it; None when none does."""
+        parts = name.split("/")
+        found = [self.prefetch_rank.get("/".join(parts[:i])) for i in range(len(parts) + 1)]
+        return min((p for p in found if p is not None), default=None)
+
+    def _place_prefetch_files_in_list_order(self, index: int, stream: BinaryIO, start: int, blob: _BlobWriter,
+                                            placed: dict[tuple[int, str], list[_StoredChunk]]) -> None:
+        """First pass of an uncompressed, seekable layer tar: find the regular files the prefetch
+        list names, then store their chunks in list order (files under one listed directory in
+        tar order), each read where its data lies in the tar; keyed as `_place_prefetch_file` keys them."""
+        found: list[tuple[int, int, int, int, str]] = []  # (position, tar order, data offset, size, name)
+
+        def note(tf: tarfile.TarFile, m: tarfile.TarInfo) -> None:
+            if _TAR_MODES.get(m.type) != stat.S_IFREG or m.size <= 0:
+                return
+            name = normalize_name(m.name)
+            position = self._prefetch_position(name)
+            if position is not None:
+                found.append((position, len(found), m.offset_data, m.size, name))
+
+        _each_member(index, stream, note)
+        for _, _, offset, size, name in sorted(found):
+            stream.seek(start + offset)
+            placed[(offset, name)] = self._store_data(size, _FullReads(stream), blob)
 
     def _place_prefetch_file(self, tf: tarfile.TarFile, m: tarfile.TarInfo, blob: _BlobWriter,
                              placed: dict[tuple[int, str], list[_StoredChunk]]) -> None:
@@ -377,7 +412,7 @@ class _Builder:
             node.children = old.children  # a directory entry updates metadata, keeps contents
         parent.children[parts[-1]] = node
 
-    def _store_data(self, size: int, f: IO[bytes], blob: _BlobWriter) -> list[_StoredChunk]:
+    def _store_data(self, size: int, f: _Readable, blob: _BlobWriter) -> list[_StoredChunk]:
         """The chunks of a file's `size` bytes read from `f`: stored in `blob`, or earlier ones
         holding the same bytes (deduplicated by digest)."""
         chunks: list[_StoredChunk] = []
@@ -400,6 +435,36 @@ class _Builder:
             self.dedup[digest] = chunk
             chunks.append(chunk)
         return chunks
+
+
+class _Readable(Protocol):
+    def read(self, size: int, /) -> bytes: ...
+
+
+class _FullReads:
+    """A stream whose every read returns as many bytes as asked unless it ends (a raw stream may
+    answer short, and `_store_data` cuts chunks by what each read returns)."""
+
+    def __init__(self, stream: BinaryIO) -> None:
+        self.stream = stream
+
+    def read(self, size: int, /) -> bytes:
+        out = bytearray()
+        while len(out) < size and (piece := self.stream.read(size - len(out))):
+            out += piece
+        return bytes(out)
+
+
+_COMPRESSED_MAGIC = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00")  # gzip, bzip2, xz: what tarfile's "r|*" reads
+
+
+def _compressed(stream: BinaryIO) -> bool:
+    """Whether a seekable tar stream is compressed (its position is kept): its data offsets are
+    then offsets in the decompressed tar, not in the stream."""
+    at = stream.tell()
+    head = stream.read(6)
+    stream.seek(at)
+    return any(head.startswith(magic) for magic in _COMPRESSED_MAGIC)
 
 
 def _can_rewind(stream: BinaryIO) -> bool:

@@ -194,6 +194,27 @@ def layer_startup_entries(index: LayerIndex) -> list[Entry]:
     return found
 
 
+def is_startup_name(name: str) -> bool:
+    """Whether a normalized path (no leading "/", as a prefetch list holds it) names a start-up
+    file by the path alone: one of STARTUP_PATHS, or a base name matching LOADER_PATTERNS or equal
+    to LIBC_NAME in any directory (a recorded list names the files the loader's symlinks lead to,
+    such as usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2)."""
+    base = name.rpartition("/")[2]
+    return name in STARTUP_PATHS or base == LIBC_NAME or \
+        any(fnmatch.fnmatchcase(base, pattern) for pattern in LOADER_PATTERNS)
+
+
+def startup_files_first(names: Sequence[str]) -> list[str]:
+    """`names` with its start-up files (`is_startup_name`) moved to the front, both parts in their
+    own order: the order a converter lays a prefetch list's files out in. A prefetch of the list is
+    streamed and decoded in blob order, so every container start then finds the user database, the
+    loader, its cache and the C library near the head of the stream, not behind the program's own
+    files (a recorded profile names the program right after the user database: exec reads it
+    before its loader)."""
+    first = [name for name in names if is_startup_name(name)]
+    return first + [name for name in names if not is_startup_name(name)]
+
+
 def program_file(tree: MountTree, candidates: Sequence[str]) -> Node | None:
     """The file a container's program lookup finds in the merged tree (runtime_spec.py
     `Program.candidates`, tried in order): the first candidate that is, in the topmost run that

@@ -58,3 +58,28 @@ def test_no_prefetch_list_gives_no_prefetch_landmark(source: Source, tmp_path: P
     for layer in manifest["layers"]:
         index = index_of_file(OciLayout(out).blob_path(layer["digest"]), Config())
         assert index.landmark is Landmark.NO_PREFETCH and index.prefetch == ()
+
+
+@pytest.mark.parametrize("fmt", ["estargz", "nydus"])
+def test_the_lists_start_up_files_come_first_then_the_rest_in_list_order(fmt: str, source: Source,
+                                                                         tmp_path: Path) -> None:
+    # A prefetch streams the region in blob order; every container start reads the user database
+    # (and the loader, libc) before its program's files, wherever a recorded list put them.
+    record = tmp_path / "record.txt"
+    record.write_text("/data/gone\n/data/big.bin\n/etc/passwd\n")
+    out = tmp_path / "out"
+    proc = run_cli("--format", fmt, "--prefetch-list", str(record), "--chunk-size", "65536", source.oci,
+                   f"oci:{out}:p")
+    assert proc.returncode == 0, proc.stderr
+    manifest, _ = layout_image(out, "p")
+    lay = OciLayout(out)
+    if fmt == "nydus":  # data/gone is deleted by layer 2: the table names what the image holds
+        boot = bootstrap_from_layer(lay.blob_path(manifest["layers"][-1]["digest"]).read_bytes(),
+                                    max_bootstrap_bytes=64 << 20)
+        assert parse_bootstrap(boot, max_bootstrap_bytes=64 << 20).prefetch == ("etc/passwd", "data/big.bin")
+        return
+    index = index_of_file(lay.blob_path(manifest["layers"][0]["digest"]), Config())
+    assert index.prefetch == ("etc/passwd", "data/gone", "data/big.bin")
+    names = [e.name for e in index.entries]
+    before = [e.name for e in index.entries[:names.index(".prefetch.landmark")] if e.type is not EntryType.DIR]
+    assert before == ["etc/passwd", "data/gone", "data/big.bin"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import gzip
 import hashlib
 import io
 import os
@@ -361,6 +362,38 @@ def test_writer_puts_prefetch_files_first_in_the_blob(listed: str, tmp_path: Pat
     devs = device_images(boot.read_bytes(), blobs, tmp_path)
     with mounted(boot, tmp_path / "mnt", devs) as mnt:
         assert {name: (mnt / name).read_bytes() for name in files} == files
+
+
+@pytest.mark.parametrize(("listed", "order"), [
+    (["z/wanted", "a/first"], ["z/wanted", "a/first", "b/middle"]),
+    (["b", "z/wanted", "a"], ["b/middle", "z/wanted", "a/first"]),  # a file at its directory's position
+    (["z/wanted", "", "b/middle"], ["z/wanted", "a/first", "b/middle"]),  # the root lists the rest in tar order
+])
+def test_writer_lays_prefetch_files_out_in_list_order(listed: list[str], order: list[str], tmp_path: Path) -> None:
+    # A mount's prefetch streams the region in blob order: the list's order is the order its
+    # files come in (the converter puts the start-up files first in it).
+    files = _three_files_tar(tmp_path / "l.tar")
+    boot, blobs, result = _write([tmp_path / "l.tar"], tmp_path, chunk_size=16 << 10, prefetch=listed)
+    idx = parse_bootstrap(boot.read_bytes(), max_bootstrap_bytes=CAP)
+    assert result.deduplicated_chunks == 0  # type: ignore[attr-defined]
+    spans = {name: (idx[name].chunks[0].blob_offset, idx[name].chunks[-1].blob_offset) for name in files}
+    assert spans[order[0]][0] == 0
+    assert spans[order[0]][1] < spans[order[1]][0] <= spans[order[1]][1] < spans[order[2]][0]
+    read = reader_for(blobs)
+    assert {name: read(idx[name]) for name in files} == files
+    devs = device_images(boot.read_bytes(), blobs, tmp_path)
+    with mounted(boot, tmp_path / "mnt", devs) as mnt:
+        assert {name: (mnt / name).read_bytes() for name in files} == files
+
+
+def test_writer_keeps_tar_order_of_prefetch_files_in_a_compressed_tar(tmp_path: Path) -> None:
+    # Its data offsets are in the decompressed tar: the first pass reads it as a stream, in order.
+    files = _three_files_tar(tmp_path / "l.tar")
+    packed = io.BytesIO(gzip.compress((tmp_path / "l.tar").read_bytes()))
+    result = write_nydus([packed], lambda i: io.BytesIO(), chunk_size=16 << 10, prefetch=["z/wanted", "a/first"])
+    idx = parse_bootstrap(result.bootstrap, max_bootstrap_bytes=CAP)
+    offsets = {name: idx[name].chunks[0].blob_offset for name in files}
+    assert offsets["a/first"] == 0 and offsets["a/first"] < offsets["z/wanted"] < offsets["b/middle"]
 
 
 def test_writer_keeps_tar_order_when_the_stream_cannot_seek(tmp_path: Path) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from snapshotter.formats.index import EntryType
-from snapshotter.fusefs.startup_files import layer_startup_entries, program_file, startup_files
+from snapshotter.fusefs.startup_files import layer_startup_entries, program_file, startup_files, startup_files_first
 from snapshotter.fusefs.tree import MountTree, build_tree
 from snapshotter.runtime_spec import DEFAULT_PATH, Program
 from tests.fusefs.layers import Layer
@@ -141,3 +141,18 @@ def test_an_upper_runs_entry_hides_the_lower_runs_program() -> None:
     replaced = Layer().dir("usr").dir("usr/bin").file("usr/bin/tool", b"\x7fELF v2", mode=0o755)
     tree = build_tree([[base.index()], [replaced.index()]], subtrees=True, bare_runs=(0,))
     assert _program(tree, "tool") == "1/usr/bin/tool"
+
+
+def test_a_recorded_profile_is_reordered_with_its_start_up_files_first() -> None:
+    # As `snapshotter record` lists a python start: runc's user database, then the program (exec
+    # reads it before its loader), the loader, its cache, libc, then the program's own files.
+    recorded = ["etc/group", "etc/passwd", "usr/bin/python3.11", f"{LIBDIR}/ld-linux-x86-64.so.2",
+                "etc/ld.so.cache", f"{LIBDIR}/libc.so.6", f"{LIBDIR}/libm.so.6", "usr/lib/python3.11/os.py",
+                "lib/ld-musl-x86_64.so.1", "etc/hostname", "opt/libc.so.6.bak"]
+    assert startup_files_first(recorded) == [
+        "etc/group", "etc/passwd", f"{LIBDIR}/ld-linux-x86-64.so.2", "etc/ld.so.cache", f"{LIBDIR}/libc.so.6",
+        "lib/ld-musl-x86_64.so.1",
+        "usr/bin/python3.11", f"{LIBDIR}/libm.so.6", "usr/lib/python3.11/os.py", "etc/hostname",
+        "opt/libc.so.6.bak"]
+    assert startup_files_first(["b", "a"]) == ["b", "a"]
+    assert startup_files_first([]) == []
