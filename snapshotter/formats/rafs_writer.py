@@ -319,7 +319,8 @@ class _Builder:
                                             placed: dict[tuple[int, str], list[_StoredChunk]]) -> None:
         """First pass of an uncompressed, seekable layer tar: find the regular files the prefetch
         list names, then store their chunks in list order (files under one listed directory in
-        tar order), each read where its data lies in the tar; keyed as `_place_prefetch_file` keys them."""
+        tar order), each read where its data lies in the tar; keyed as `_place_prefetch_file` keys
+        them. A sparse file (PAX sparse headers) is stored as the pass meets it, ahead of the rest."""
         found: list[tuple[int, int, int, int, str]] = []  # (position, tar order, data offset, size, name)
 
         def note(tf: tarfile.TarFile, m: tarfile.TarInfo) -> None:
@@ -327,8 +328,12 @@ class _Builder:
                 return
             name = normalize_name(m.name)
             position = self._prefetch_position(name)
-            if position is not None:
-                found.append((position, len(found), m.offset_data, m.size, name))
+            if position is None:
+                return
+            if m.issparse():  # its stored bytes are not its contents: only tarfile reads it right
+                self._place_prefetch_file(tf, m, blob, placed)
+                return
+            found.append((position, len(found), m.offset_data, m.size, name))
 
         _each_member(index, stream, note)
         for _, _, offset, size, name in sorted(found):

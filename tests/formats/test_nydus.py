@@ -386,6 +386,30 @@ def test_writer_lays_prefetch_files_out_in_list_order(listed: list[str], order: 
         assert {name: (mnt / name).read_bytes() for name in files} == files
 
 
+def test_writer_stores_a_listed_sparse_file_with_its_holes(tmp_path: Path) -> None:
+    # A PAX sparse member stores only its data segments: read at its data offset it would be wrong.
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "plain").write_bytes(os.urandom(30_000))
+    with open(src / "holes", "wb") as f:
+        f.write(b"start of a sparse file\n")
+        f.seek(300_000)
+        f.write(b"its end\n")
+    tar = tmp_path / "sparse.tar"
+    subprocess.run(["tar", "--sparse", "--format=posix", "-cf", str(tar), "-C", str(src), "plain", "holes"],
+                   check=True, timeout=60)
+    with tarfile.open(tar) as tf:
+        assert tf.getmember("holes").issparse()  # else this file system kept no holes to test
+    files = {name: (src / name).read_bytes() for name in ("plain", "holes")}
+    boot, blobs, _ = _write([tar], tmp_path, chunk_size=16 << 10, prefetch=["holes", "plain"])
+    idx = parse_bootstrap(boot.read_bytes(), max_bootstrap_bytes=CAP)
+    read = reader_for(blobs)
+    assert {name: read(idx[name]) for name in files} == files
+    devs = device_images(boot.read_bytes(), blobs, tmp_path)
+    with mounted(boot, tmp_path / "mnt", devs) as mnt:
+        assert {name: (mnt / name).read_bytes() for name in files} == files
+
+
 def test_writer_keeps_tar_order_of_prefetch_files_in_a_compressed_tar(tmp_path: Path) -> None:
     # Its data offsets are in the decompressed tar: the first pass reads it as a stream, in order.
     files = _three_files_tar(tmp_path / "l.tar")
