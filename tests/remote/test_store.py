@@ -151,3 +151,33 @@ def test_the_collection_reads_the_keys_file_not_the_index(tmp_path: Path) -> Non
     (layers.layer_dir(LAYER) / KEYS_FILE).unlink()
     assert layers.cache_keys(LAYER) == expected
     assert layers.remove_unreferenced(set()) == [LAYER] and not layers.layer_dir(LAYER).exists()
+
+
+def test_keys_without_a_keys_file_are_derived_by_a_child_process_not_in_this_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The daemon's collection can come before a mount wrote the keys file; the index it would
+    # derive otherwise stays in the daemon's peak memory (some 10 MiB for 11,000 entries).
+    import snapshotter.remote.store as store
+
+    layers = LayerStore(tmp_path / "layers")
+    p, data = _metadata(FILES)
+    index = parse_metadata(p, data)
+    layers.save_metadata(_meta(p, data, index.toc_digest), p, data)
+    expected = layer_cache_keys(index, LAYER)
+
+    def not_here(*_: object, **__: object) -> None:
+        raise AssertionError("derived in the calling process")
+
+    monkeypatch.setattr(store, "load_layer_index", not_here)
+    monkeypatch.setattr(store, "parse_metadata", not_here)
+    monkeypatch.setattr(store, "layer_cache_keys", not_here)
+    assert layers.cache_keys(LAYER) == expected
+    assert not (layers.layer_dir(LAYER) / KEYS_FILE).exists()  # the child writes nothing
+    # What does not derive is named: damaged bytes, then nothing at all.
+    (layers.layer_dir(LAYER) / METADATA_FILE).write_bytes(data[:40])
+    with pytest.raises(FormatError, match=f"layer {LAYER}: cannot derive its cache keys"):
+        layers.cache_keys(LAYER)
+    for name in (METADATA_FILE, PARSE_FILE):
+        (layers.layer_dir(LAYER) / name).unlink()
+    with pytest.raises(FileNotFoundError, match=f"layer {LAYER}: no cache keys, index or metadata"):
+        layers.cache_keys(LAYER)
