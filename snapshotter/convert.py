@@ -20,9 +20,10 @@ entries, which hold no filesystem, are dropped with a warning; a nested index is
    (or any layer without a list) gets `.no.prefetch.landmark` first. Unlike ctr-remote, the
    list's start-up files (fusefs/startup_files.py `startup_files_first`: the user database, the
    loader, its cache, the C library) come first in it, then the rest in list order: a prefetch
-   streams the region in blob order, and every container start reads those before its program. Other annotations of the
-   source descriptor are kept, except stale ones (`containerd.io/snapshot/*`,
-   `containerd.io/uncompressed`, `io.containers.*`, `io.github.containers.*`).
+   streams the region in blob order, and every container start reads those before its program.
+   Other annotations of the source descriptor are kept, except stale ones
+   (`containerd.io/snapshot/*`, `containerd.io/uncompressed`, `io.containers.*`,
+   `io.github.containers.*`).
 3. Nydus (`write_nydus` over all layer tars at once, zstd chunks, whiteouts applied, chunks
    deduplicated across layers). Layout of the output manifest (nydusify's):
      layers[0..n-1]: one data blob per source layer, media type
