@@ -242,7 +242,6 @@ class _Builder:
         self.prefetch_rank: dict[str, int] = {}
         for position, name in enumerate(prefetch):
             self.prefetch_rank.setdefault(normalize_name(name), position)
-        self.prefetch = frozenset(self.prefetch_rank)
         self.digest_algo = digest_algo
         self.chunk_size = chunk_size
         self.compression = compression
@@ -292,7 +291,7 @@ class _Builder:
         blob = _BlobWriter(index, self.blob_out(index))
         touched: set[str] = set()
         placed: dict[tuple[int, str], list[_StoredChunk]] = {}
-        if self.prefetch and _can_rewind(stream):
+        if self.prefetch_rank and _can_rewind(stream):
             start = stream.tell()
             if _compressed(stream):
                 _each_member(index, stream, lambda tf, m: self._place_prefetch_file(tf, m, blob, placed))
@@ -302,15 +301,9 @@ class _Builder:
         _each_member(index, stream, lambda tf, m: self._add_member(index, tf, m, blob, touched, placed))
         self.blobs.append(blob.finish(self.compression, self.chunk_size, self.digest_algo))
 
-    def _is_prefetched(self, name: str) -> bool:
-        """Whether `name` is in the prefetch list, itself or under a directory listed there."""
-        if name in self.prefetch or "" in self.prefetch:
-            return True
-        parts = name.split("/")
-        return any("/".join(parts[:i]) in self.prefetch for i in range(1, len(parts)))
-
     def _prefetch_position(self, name: str) -> int | None:
-        """The first list position naming `name` or a directory above it; None when none does."""
+        """The first list position naming `name` or a directory above it (the root "" included);
+        None when `name` is not in the prefetch list, itself or under a directory listed there."""
         parts = name.split("/")
         found = [self.prefetch_rank.get("/".join(parts[:i])) for i in range(len(parts) + 1)]
         return min((p for p in found if p is not None), default=None)
@@ -347,7 +340,7 @@ class _Builder:
         if _TAR_MODES.get(m.type) != stat.S_IFREG or m.size <= 0:
             return
         name = normalize_name(m.name)
-        if not self._is_prefetched(name):
+        if self._prefetch_position(name) is None:
             return
         f = tf.extractfile(m)
         if f is not None:

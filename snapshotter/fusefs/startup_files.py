@@ -30,6 +30,11 @@ LIBC_NAME = "libc.so.6"  # glibc's, next to its loader; musl's loader is libc it
 MAX_SYMLINKS = 40
 
 
+def _is_loader_name(base: str) -> bool:
+    """Whether a file's base name is a dynamic loader's (LOADER_PATTERNS)."""
+    return any(fnmatch.fnmatchcase(base, pattern) for pattern in LOADER_PATTERNS)
+
+
 def _run_roots(tree: MountTree) -> list[int]:
     """The inode of each run's root, topmost run first."""
     if not tree.subtrees:
@@ -83,7 +88,7 @@ def _run_startup_files(tree: MountTree, root: int) -> Iterator[tuple[str, Node]]
         if parent is None or not parent.is_dir:
             continue
         for name in parent.names:
-            if not any(fnmatch.fnmatchcase(name, pattern) for pattern in LOADER_PATTERNS):
+            if not _is_loader_name(name):
                 continue
             path = f"{directory}/{name}"
             loader = _resolve(tree, root, path)
@@ -182,8 +187,7 @@ def layer_startup_entries(index: LayerIndex) -> list[Entry]:
         prefix = f"{resolved[0]}/" if resolved[0] else ""
         for name in candidates:
             base = name[len(prefix):]
-            if not name.startswith(prefix) or "/" in base or \
-                    not any(fnmatch.fnmatchcase(base, pattern) for pattern in LOADER_PATTERNS):
+            if not name.startswith(prefix) or "/" in base or not _is_loader_name(base):
                 continue
             loader_path = _resolve_in_layer(index, f"{directory}/{base}")
             loader = _regular_in_layer(index, f"{directory}/{base}")
@@ -200,8 +204,7 @@ def is_startup_name(name: str) -> bool:
     to LIBC_NAME in any directory (a recorded list names the files the loader's symlinks lead to,
     such as usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2)."""
     base = name.rpartition("/")[2]
-    return name in STARTUP_PATHS or base == LIBC_NAME or \
-        any(fnmatch.fnmatchcase(base, pattern) for pattern in LOADER_PATTERNS)
+    return name in STARTUP_PATHS or base == LIBC_NAME or _is_loader_name(base)
 
 
 def startup_files_first(names: Sequence[str]) -> list[str]:
@@ -211,8 +214,11 @@ def startup_files_first(names: Sequence[str]) -> list[str]:
     loader, its cache and the C library near the head of the stream, not behind the program's own
     files (a recorded profile names the program right after the user database: exec reads it
     before its loader)."""
-    first = [name for name in names if is_startup_name(name)]
-    return first + [name for name in names if not is_startup_name(name)]
+    first: list[str] = []
+    rest: list[str] = []
+    for name in names:
+        (first if is_startup_name(name) else rest).append(name)
+    return first + rest
 
 
 def program_file(tree: MountTree, candidates: Sequence[str]) -> Node | None:
