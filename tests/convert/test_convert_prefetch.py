@@ -4,6 +4,7 @@ Nydus prefetch table; names not in the image are ignored."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,21 +22,29 @@ RECORD = "/etc/hosts\n/usr/lib/app.so\n\n# a comment\ndata/big.bin\n/not/in/the/
 EXPECTED = [("data/big.bin",), ("etc/hosts",), ("usr/lib/app.so", "data/big.bin")]
 
 
-@pytest.mark.parametrize("fmt", ["estargz", "zstdchunked", "nydus"])
-def test_prefetch_list(fmt: str, source: Source, tmp_path: Path) -> None:
+def _convert_with_list(fmt: str, source: Source, tmp_path: Path, record_text: str) -> tuple[dict[str, Any], OciLayout]:
+    """`snapshotter convert --prefetch-list` of the source image to an OCI layout: (manifest, layout)."""
     record = tmp_path / "record.txt"
-    record.write_text(RECORD)
+    record.write_text(record_text)
     out = tmp_path / "out"
     proc = run_cli("--format", fmt, "--prefetch-list", str(record), "--chunk-size", "65536", source.oci,
                    f"oci:{out}:p")
     assert proc.returncode == 0, proc.stderr
     manifest, _ = layout_image(out, "p")
-    lay = OciLayout(out)
+    return manifest, OciLayout(out)
+
+
+def _nydus_prefetch_table(manifest: dict[str, Any], lay: OciLayout) -> tuple[str, ...]:
+    boot = bootstrap_from_layer(lay.blob_path(manifest["layers"][-1]["digest"]).read_bytes(),
+                                max_bootstrap_bytes=64 << 20)
+    return parse_bootstrap(boot, max_bootstrap_bytes=64 << 20).prefetch
+
+
+@pytest.mark.parametrize("fmt", ["estargz", "zstdchunked", "nydus"])
+def test_prefetch_list(fmt: str, source: Source, tmp_path: Path) -> None:
+    manifest, lay = _convert_with_list(fmt, source, tmp_path, RECORD)
     if fmt == "nydus":
-        boot = bootstrap_from_layer(lay.blob_path(manifest["layers"][-1]["digest"]).read_bytes(),
-                                    max_bootstrap_bytes=64 << 20)
-        index = parse_bootstrap(boot, max_bootstrap_bytes=64 << 20)
-        assert index.prefetch == ("etc/hosts", "usr/lib/app.so", "data/big.bin")
+        assert _nydus_prefetch_table(manifest, lay) == ("etc/hosts", "usr/lib/app.so", "data/big.bin")
         return
     for layer, want in zip(manifest["layers"], EXPECTED, strict=True):
         index = index_of_file(lay.blob_path(layer["digest"]), Config())
@@ -65,18 +74,9 @@ def test_the_lists_start_up_files_come_first_then_the_rest_in_list_order(fmt: st
                                                                          tmp_path: Path) -> None:
     # A prefetch streams the region in blob order; every container start reads the user database
     # (and the loader, libc) before its program's files, wherever a recorded list put them.
-    record = tmp_path / "record.txt"
-    record.write_text("/data/gone\n/data/big.bin\n/etc/passwd\n")
-    out = tmp_path / "out"
-    proc = run_cli("--format", fmt, "--prefetch-list", str(record), "--chunk-size", "65536", source.oci,
-                   f"oci:{out}:p")
-    assert proc.returncode == 0, proc.stderr
-    manifest, _ = layout_image(out, "p")
-    lay = OciLayout(out)
+    manifest, lay = _convert_with_list(fmt, source, tmp_path, "/data/gone\n/data/big.bin\n/etc/passwd\n")
     if fmt == "nydus":  # data/gone is deleted by layer 2: the table names what the image holds
-        boot = bootstrap_from_layer(lay.blob_path(manifest["layers"][-1]["digest"]).read_bytes(),
-                                    max_bootstrap_bytes=64 << 20)
-        assert parse_bootstrap(boot, max_bootstrap_bytes=64 << 20).prefetch == ("etc/passwd", "data/big.bin")
+        assert _nydus_prefetch_table(manifest, lay) == ("etc/passwd", "data/big.bin")
         return
     index = index_of_file(lay.blob_path(manifest["layers"][0]["digest"]), Config())
     assert index.prefetch == ("etc/passwd", "data/gone", "data/big.bin")

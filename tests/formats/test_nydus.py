@@ -328,6 +328,16 @@ def _three_files_tar(path: Path) -> dict[str, bytes]:
     return files
 
 
+def _assert_files_read_back(boot: Path, blobs: list[bytes], idx: LayerIndex, files: dict[str, bytes],
+                            tmp_path: Path) -> None:
+    """The bytes are unchanged: our reader and the kernel's erofs read the same files."""
+    read = reader_for(blobs)
+    assert {name: read(idx[name]) for name in files} == files
+    devs = device_images(boot.read_bytes(), blobs, tmp_path)
+    with mounted(boot, tmp_path / "mnt", devs) as mnt:
+        assert {name: (mnt / name).read_bytes() for name in files} == files
+
+
 class _OneWay(io.RawIOBase):
     """A stream that cannot seek (a pipe, say)."""
 
@@ -356,12 +366,7 @@ def test_writer_puts_prefetch_files_first_in_the_blob(listed: str, tmp_path: Pat
     others = [c for name in ("a/first", "b/middle") for c in idx[name].chunks]
     assert [c.blob_offset for c in wanted][0] == 0
     assert max(c.blob_offset + c.blob_size for c in wanted) <= min(c.blob_offset for c in others)
-    # The bytes are unchanged: our reader and the kernel read the same files.
-    read = reader_for(blobs)
-    assert {name: read(idx[name]) for name in files} == files
-    devs = device_images(boot.read_bytes(), blobs, tmp_path)
-    with mounted(boot, tmp_path / "mnt", devs) as mnt:
-        assert {name: (mnt / name).read_bytes() for name in files} == files
+    _assert_files_read_back(boot, blobs, idx, files, tmp_path)
 
 
 @pytest.mark.parametrize(("listed", "order"), [
@@ -379,11 +384,7 @@ def test_writer_lays_prefetch_files_out_in_list_order(listed: list[str], order: 
     spans = {name: (idx[name].chunks[0].blob_offset, idx[name].chunks[-1].blob_offset) for name in files}
     assert spans[order[0]][0] == 0
     assert spans[order[0]][1] < spans[order[1]][0] <= spans[order[1]][1] < spans[order[2]][0]
-    read = reader_for(blobs)
-    assert {name: read(idx[name]) for name in files} == files
-    devs = device_images(boot.read_bytes(), blobs, tmp_path)
-    with mounted(boot, tmp_path / "mnt", devs) as mnt:
-        assert {name: (mnt / name).read_bytes() for name in files} == files
+    _assert_files_read_back(boot, blobs, idx, files, tmp_path)
 
 
 def test_writer_stores_a_listed_sparse_file_with_its_holes(tmp_path: Path) -> None:
@@ -403,11 +404,7 @@ def test_writer_stores_a_listed_sparse_file_with_its_holes(tmp_path: Path) -> No
     files = {name: (src / name).read_bytes() for name in ("plain", "holes")}
     boot, blobs, _ = _write([tar], tmp_path, chunk_size=16 << 10, prefetch=["holes", "plain"])
     idx = parse_bootstrap(boot.read_bytes(), max_bootstrap_bytes=CAP)
-    read = reader_for(blobs)
-    assert {name: read(idx[name]) for name in files} == files
-    devs = device_images(boot.read_bytes(), blobs, tmp_path)
-    with mounted(boot, tmp_path / "mnt", devs) as mnt:
-        assert {name: (mnt / name).read_bytes() for name in files} == files
+    _assert_files_read_back(boot, blobs, idx, files, tmp_path)
 
 
 def test_writer_keeps_tar_order_of_prefetch_files_in_a_compressed_tar(tmp_path: Path) -> None:
